@@ -1,0 +1,1 @@
+"""Alembic revisions, oldest first; each one small, reversible and named for what it does."""

@@ -1,0 +1,118 @@
+"""Typed configuration: one YAML file validated by pydantic.
+
+Unknown or mistyped keys fail with the key's dotted path, the file, and the closest valid key.
+Every default lives here, once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from reservoir.errors import ConfigError
+
+DB_URL_ENV = "RESERVOIR_DB_URL"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StoreConfig(Section):
+    """Where the experience store lives."""
+
+    url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL. Unset: RESERVOIR_DB_URL, else the embedded server.",
+    )
+    data_dir: Path = Field(
+        default=Path(".reservoir/pg"),
+        description="Data directory of the embedded server (used only without a URL).",
+    )
+
+    def resolved_url(self) -> str | None:
+        """The server URL from config or environment; None selects the embedded server."""
+        return self.url or os.environ.get(DB_URL_ENV) or None
+
+
+class SamplerConfig(Section):
+    """Flow control: how trainers lease experiences out of the store (see README glossary)."""
+
+    unit: Literal["rows", "groups"] = "groups"
+    order: Literal["fifo", "lifo", "priority", "uniform"] = "fifo"
+    sample_from: list[Literal["ready", "consumed"]] = ["ready"]
+    lease_seconds: float = Field(default=300.0, gt=0)
+    max_staleness: int | None = Field(default=None, ge=0)
+    max_times_sampled: int = Field(default=1, ge=1)
+    samples_per_insert: float | None = Field(default=None, gt=0)
+    spi_tolerance: float = Field(default=1024.0, ge=0)
+    min_ready: int = Field(default=1, ge=1)
+    wait_timeout_s: float = Field(default=60.0, ge=0)
+    poll_interval_s: float = Field(default=0.05, gt=0)
+
+    @model_validator(mode="after")
+    def _consumed_needs_reuse(self) -> SamplerConfig:
+        if "consumed" in self.sample_from and self.max_times_sampled == 1:
+            raise ValueError(
+                "sample_from includes 'consumed' but max_times_sampled is 1: "
+                "no consumed row could ever be sampled again; raise max_times_sampled"
+            )
+        return self
+
+
+class ReservoirConfig(Section):
+    """The whole config file."""
+
+    store: StoreConfig = StoreConfig()
+    sampler: SamplerConfig = SamplerConfig()
+
+
+def load_config(path: Path | str | None) -> ReservoirConfig:
+    """Read and validate a YAML config; None gives the defaults."""
+    if path is None:
+        return ReservoirConfig()
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict, *, source: str = "<config>") -> ReservoirConfig:
+    try:
+        return ReservoirConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc, source)) from None
+
+
+def describe_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config"]
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key" + _suggestion(err["loc"])
+        lines.append(f"  {key}: {message} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _suggestion(loc: tuple) -> str:
+    model: type[BaseModel] = ReservoirConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(model.model_fields)}"

