@@ -90,10 +90,10 @@ COMMENT ON VIEW analytics.experience_tokens IS
 
 CREATE VIEW analytics.run_steps AS
 SELECT r.name AS run, ts.step, ts.policy_version, ts.loss, ts.n_experiences,
-       avg(e.reward) AS reward_mean, stddev_pop(e.reward) AS reward_std,
+       avg(e.reward)::float8 AS reward_mean, stddev_pop(e.reward) AS reward_std,
        min(e.reward) AS reward_min, max(e.reward) AS reward_max,
-       avg(e.response_len) AS response_len_mean,
-       avg(ts.policy_version - e.policy_version) AS staleness_mean,
+       avg(e.response_len)::float8 AS response_len_mean,
+       avg(ts.policy_version - e.policy_version)::float8 AS staleness_mean,
        max(ts.policy_version - e.policy_version) AS staleness_max,
        ts.metrics, ts.created_at
 FROM train_steps ts

@@ -1,0 +1,74 @@
+"""Queries on runs and policy_versions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from reservoir.errors import StoreError
+from reservoir.store.schema import policy_versions, runs
+
+
+def create_run(conn: Connection, name: str, *, group_size: int | None = None,
+               model: str | None = None, config: dict[str, Any] | None = None,
+               exist_ok: bool = False) -> int:
+    """Insert a run and return its id; with exist_ok, return the id of an existing one."""
+    stmt = pg_insert(runs).values(name=name, group_size=group_size, model=model,
+                                  config=config or {})
+    if exist_ok:
+        stmt = stmt.on_conflict_do_nothing(index_elements=["name"])
+    run_id = conn.execute(stmt.returning(runs.c.id)).scalar()
+    if run_id is None and exist_ok:
+        return run_id_of(conn, name)
+    return run_id
+
+
+def run_id_of(conn: Connection, name: str) -> int:
+    run_id = conn.execute(select(runs.c.id).where(runs.c.name == name)).scalar()
+    if run_id is None:
+        raise StoreError(f"run {name!r} does not exist (see `reservoir sql \"SELECT run FROM analytics.runs\"`)")
+    return run_id
+
+
+def lookup(names: list[str]):
+    """Statement: id, name, group_size of the named runs."""
+    return select(runs.c.id, runs.c.name, runs.c.group_size).where(runs.c.name.in_(names))
+
+
+def lock(run_ids: list[int]):
+    """Statement: lock runs rows, in id order, so flow-control checks and updates are atomic."""
+    return select(runs.c.id).where(runs.c.id.in_(run_ids)).order_by(runs.c.id).with_for_update()
+
+
+def counters(run_ids: list[int]):
+    """Statement: the summed flow-control counters (rows_inserted, rows_sampled) of runs."""
+    return select(func.coalesce(func.sum(runs.c.rows_inserted), 0),
+                  func.coalesce(func.sum(runs.c.rows_sampled), 0)).where(runs.c.id.in_(run_ids))
+
+
+def add_inserted(run_id: int, n: int):
+    return (update(runs).where(runs.c.id == run_id)
+            .values(rows_inserted=runs.c.rows_inserted + n, updated_at=func.now()))
+
+
+def add_sampled(run_id: int, n: int):
+    return (update(runs).where(runs.c.id == run_id)
+            .values(rows_sampled=runs.c.rows_sampled + n, updated_at=func.now()))
+
+
+def set_status(conn: Connection, run_id: int, status: str) -> None:
+    conn.execute(update(runs).where(runs.c.id == run_id).values(status=status, updated_at=func.now()))
+
+
+def publish_version(conn: Connection, run_id: int, version: int, *, location: str | None,
+                    train_step: int | None) -> None:
+    conn.execute(insert(policy_versions).values(run_id=run_id, version=version,
+                                                location=location, train_step=train_step))
+
+
+def latest_version(run_id_column):
+    """Scalar subquery: the latest published policy version of a run (0 before the first)."""
+    return (select(func.coalesce(func.max(policy_versions.c.version), 0))
+            .where(policy_versions.c.run_id == run_id_column).scalar_subquery())

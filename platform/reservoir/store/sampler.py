@@ -1,0 +1,249 @@
+"""Leasing experiences to trainers: FOR UPDATE SKIP LOCKED, flow control, expiry and reclaim.
+
+A lease marks rows `leased` with a token and an expiry. The trainer then either commits a step
+(`ledger.commit_step`: rows become `consumed`) or releases them; a lease that expires is
+reclaimed by the next lease call, so a trainer killed while holding one loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Sequence
+
+import numpy as np
+from sqlalchemy import and_, case, exists, func, literal, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from reservoir.config import SamplerConfig
+from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
+from reservoir.store import codec, runs
+from reservoir.store.flow import RateLimit
+from reservoir.store.schema import experiences as e
+
+SETTLING = ("raw", "leased")  # a group with a row in these states is not complete yet
+ORDERS = {
+    "fifo": (e.c.id.asc(),),
+    "lifo": (e.c.id.desc(),),
+    "priority": (e.c.priority.desc(), e.c.id.asc()),
+    "uniform": (func.random(),),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedExperience:
+    id: int
+    run_id: int
+    task_id: int | None
+    group_id: uuid.UUID
+    policy_version: int
+    reward: float
+    reward_components: dict
+    times_sampled: int
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray | None
+    action_mask: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class Lease:
+    token: uuid.UUID
+    run_ids: tuple[int, ...]
+    rows: tuple[LeasedExperience, ...]
+    leased_until: datetime
+
+    @property
+    def ids(self) -> list[int]:
+        return [row.id for row in self.rows]
+
+    def groups(self) -> dict[uuid.UUID, list[LeasedExperience]]:
+        grouped: dict[uuid.UUID, list[LeasedExperience]] = {}
+        for row in self.rows:
+            grouped.setdefault(row.group_id, []).append(row)
+        return grouped
+
+
+class _NotYet(Exception):
+    """Roll the lease transaction back and wait: the reason says why."""
+
+
+RETURNED = (e.c.id, e.c.run_id, e.c.task_id, e.c.group_id, e.c.policy_version, e.c.reward,
+            e.c.reward_components, e.c.times_sampled, e.c.prompt_ids, e.c.response_ids,
+            e.c.logprobs, e.c.action_mask, e.c.leased_until)
+
+
+def _eligible(table, flow: SamplerConfig):
+    return and_(table.c.status.in_(flow.sample_from),
+                table.c.times_sampled < flow.max_times_sampled)
+
+
+def _version_floor(flow: SamplerConfig, min_policy_version: int | None):
+    if min_policy_version is not None:
+        return e.c.policy_version >= min_policy_version
+    if flow.max_staleness is not None:
+        return e.c.policy_version >= runs.latest_version(e.c.run_id) - flow.max_staleness
+    return literal(True)
+
+
+def lease_statement(run_ids: Sequence[int], *, rows: int | None, groups: int | None,
+                    flow: SamplerConfig, token: uuid.UUID, min_policy_version: int | None):
+    where = and_(e.c.run_id.in_(run_ids), _eligible(e, flow),
+                 _version_floor(flow, min_policy_version))
+    lease_values = dict(status="leased", lease_token=token,
+                        leased_until=func.now() + timedelta(seconds=flow.lease_seconds))
+    if rows is not None:
+        picked = (select(e.c.id).where(where).order_by(*ORDERS[flow.order]).limit(rows)
+                  .with_for_update(skip_locked=True).cte("picked"))
+        return update(e).where(e.c.id == picked.c.id).values(**lease_values).returning(*RETURNED)
+    other = e.alias("other")
+    leader = ~exists().where(
+        other.c.group_id == e.c.group_id,
+        (other.c.status.in_(SETTLING)) | (and_(other.c.id < e.c.id, _eligible(other, flow))))
+    picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
+              .limit(groups).with_for_update(skip_locked=True).cte("picked"))
+    return (update(e).where(e.c.group_id == picked.c.group_id, _eligible(e, flow))
+            .values(**lease_values).returning(*RETURNED))
+
+
+def _to_leased(row) -> LeasedExperience:
+    return LeasedExperience(
+        id=row.id, run_id=row.run_id, task_id=row.task_id, group_id=row.group_id,
+        policy_version=row.policy_version, reward=row.reward,
+        reward_components=row.reward_components, times_sampled=row.times_sampled,
+        prompt_ids=codec.decode(row.prompt_ids, codec.TOKEN),
+        response_ids=codec.decode(row.response_ids, codec.TOKEN),
+        logprobs=codec.decode(row.logprobs, codec.LOGPROB),
+        action_mask=codec.decode(row.action_mask, codec.MASK),
+    )
+
+
+def _back_status():
+    """Where a row goes when its lease ends without a step: never trained -> ready."""
+    return case((e.c.times_sampled == 0, "ready"), else_="consumed")
+
+
+async def _give_back(conn: AsyncConnection, where) -> int:
+    stmt = (update(e).where(where)
+            .values(status=_back_status(), lease_token=None, leased_until=None)
+            .returning(e.c.run_id))
+    returned = Counter((await conn.execute(stmt)).scalars().all())
+    for run_id, n in sorted(returned.items()):
+        await conn.execute(runs.add_sampled(run_id, -n))
+    return sum(returned.values())
+
+
+async def reclaim_expired(conn: AsyncConnection, run_ids: Sequence[int] | None = None) -> int:
+    """Hand back rows whose lease expired; returns how many."""
+    where = and_(e.c.status == "leased", e.c.leased_until < func.now())
+    if run_ids is not None:
+        where = and_(where, e.c.run_id.in_(run_ids))
+    return await _give_back(conn, where)
+
+
+async def release(engine: AsyncEngine, lease: Lease) -> int:
+    """Hand a lease's rows back unconsumed; returns how many were still held."""
+    async with engine.begin() as conn:
+        return await _give_back(conn, e.c.lease_token == lease.token)
+
+
+async def renew(engine: AsyncEngine, lease: Lease, seconds: float) -> datetime:
+    """Push a lease's expiry to now + seconds; LeaseLost if it was already reclaimed."""
+    async with engine.begin() as conn:
+        result = await conn.execute(
+            update(e).where(e.c.lease_token == lease.token)
+            .values(leased_until=func.now() + timedelta(seconds=seconds))
+            .returning(e.c.leased_until))
+        until = result.scalars().all()
+    if len(until) != len(lease.rows):
+        raise LeaseLost(f"lease {lease.token} holds {len(until)} of its {len(lease.rows)} rows: "
+                        "it expired and was reclaimed")
+    return until[0]
+
+
+async def _check_min_ready(conn: AsyncConnection, run_ids, flow: SamplerConfig) -> None:
+    inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
+    if sampled > 0 or flow.min_ready <= 1:
+        return
+    ready = (select(literal(1)).where(e.c.run_id.in_(run_ids), e.c.status == "ready")
+             .limit(flow.min_ready).subquery())
+    n_ready = (await conn.execute(select(func.count()).select_from(ready))).scalar()
+    if n_ready < flow.min_ready:
+        raise _NotYet(f"{n_ready} ready rows, min_ready is {flow.min_ready}")
+
+
+async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min_policy_version,
+                      allow_partial):
+    await reclaim_expired(conn, run_ids)
+    limit = None
+    if flow.samples_per_insert is not None:
+        limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance)
+        await conn.execute(runs.lock(list(run_ids)))
+    await _check_min_ready(conn, run_ids, flow)
+    token = uuid.uuid4()
+    stmt = lease_statement(run_ids, rows=rows, groups=groups, flow=flow, token=token,
+                           min_policy_version=min_policy_version)
+    leased = (await conn.execute(stmt)).all()
+    got = len(leased) if rows is not None else len({row.group_id for row in leased})
+    wanted = rows if rows is not None else groups
+    if got == 0 or (got < wanted and not allow_partial):
+        raise _NotYet(f"{got} of {wanted} {'rows' if rows is not None else 'groups'} available")
+    if limit is not None:
+        inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
+        if not limit.can_sample(inserted, sampled, len(leased)):
+            raise _NotYet(f"samples_per_insert: inserted {inserted}, sampled {sampled}; "
+                          f"trainer is ahead of the explorers")
+    for run_id, n in sorted(Counter(row.run_id for row in leased).items()):
+        await conn.execute(runs.add_sampled(run_id, n))
+    leased.sort(key=lambda row: row.id)
+    return Lease(token, tuple(run_ids), tuple(_to_leased(row) for row in leased),
+                 leased[0].leased_until)
+
+
+async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None = None,
+                groups: int | None = None, flow: SamplerConfig,
+                min_policy_version: int | None = None, allow_partial: bool = False,
+                timeout_s: float | None = None) -> Lease:
+    """Lease `rows` experiences or `groups` whole groups, waiting up to the flow timeout.
+
+    Waits while fewer than min_ready rows are ready before the first lease, while the trainer is
+    ahead of samples_per_insert, and (unless allow_partial) until the full batch is available.
+    """
+    if (rows is None) == (groups is None) or (rows or groups or 0) < 1:
+        raise StoreError(f"lease needs exactly one of rows or groups >= 1 (got rows={rows}, "
+                         f"groups={groups})")
+    if flow.samples_per_insert is not None and rows is not None:
+        RateLimit(flow.samples_per_insert, flow.spi_tolerance).check_sample_size(rows)
+    timeout = flow.wait_timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            async with engine.begin() as conn:
+                return await _lease_once(conn, run_ids, rows=rows, groups=groups, flow=flow,
+                                         min_policy_version=min_policy_version,
+                                         allow_partial=allow_partial)
+        except _NotYet as not_yet:
+            if time.monotonic() >= deadline:
+                raise FlowControlTimeout(
+                    f"waited {timeout:g}s for a lease of {rows or groups} "
+                    f"{'rows' if rows else 'groups'}: {not_yet}") from None
+        await asyncio.sleep(flow.poll_interval_s)
+
+
+async def retire(engine: AsyncEngine, run_ids: Sequence[int], flow: SamplerConfig) -> int:
+    """Retire rows that can no longer train: older than max_staleness versions behind.
+
+    Rows that trained max_times_sampled times stay `consumed` (their final state).
+    """
+    if flow.max_staleness is None:
+        return 0
+    stmt = (update(e).where(
+        e.c.run_id.in_(run_ids), _eligible(e, flow),
+        e.c.policy_version < runs.latest_version(e.c.run_id) - flow.max_staleness)
+        .values(status="retired").returning(e.c.id))
+    async with engine.begin() as conn:
+        return len((await conn.execute(stmt)).all())

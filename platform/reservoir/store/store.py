@@ -1,0 +1,149 @@
+"""The store as one object: `AsyncStore` is the core, `Store` its blocking twin.
+
+    store = Store.open(config)            # embedded server unless a URL is configured
+    run_id = store.create_run("demo", group_size=8)
+    store.write_groups([[Experience(...), ...], ...])
+    lease = store.lease("demo", groups=4)
+    store.commit_step(lease, step=1, policy_version=0, loss=0.1)
+
+Every blocking method of `Store` is derived from the coroutine of the same name.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal, Sequence
+
+from rich.console import Console
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from reservoir.config import ReservoirConfig, SamplerConfig
+from reservoir.store import engine as engines
+from reservoir.store import ledger, migrate, runs, sampler, writer
+from reservoir.store.loop import LoopThread
+from reservoir.store.records import Experience
+from reservoir.store.sampler import Lease
+from reservoir.store.writer import WriteResult
+
+
+class AsyncStore:
+    def __init__(self, url: str, flow: SamplerConfig, sync: Engine) -> None:
+        self.engine: AsyncEngine = engines.async_engine(url)
+        self.flow = flow
+        self._sync = sync
+        self._run_ids: dict[str, int] = {}
+
+    def run_ids(self, run: str | Sequence[str]) -> list[int]:
+        names = [run] if isinstance(run, str) else list(run)
+        missing = [name for name in names if name not in self._run_ids]
+        if missing:
+            with self._sync.connect() as conn:
+                for name in missing:
+                    self._run_ids[name] = runs.run_id_of(conn, name)
+        return [self._run_ids[name] for name in names]
+
+    async def write_groups(self, groups: Sequence[Sequence[Experience]], *,
+                           status: Literal["raw", "ready"] = "ready",
+                           on_invalid: Literal["raise", "skip"] = "raise") -> WriteResult:
+        return await writer.write_groups(self.engine, groups, flow=self.flow, status=status,
+                                         on_invalid=on_invalid)
+
+    async def lease(self, run: str | Sequence[str], *, rows: int | None = None,
+                    groups: int | None = None, min_policy_version: int | None = None,
+                    allow_partial: bool = False, timeout_s: float | None = None) -> Lease:
+        return await sampler.lease(self.engine, self.run_ids(run), rows=rows, groups=groups,
+                                   flow=self.flow, min_policy_version=min_policy_version,
+                                   allow_partial=allow_partial, timeout_s=timeout_s)
+
+    async def commit_step(self, lease: Lease, *, step: int, policy_version: int,
+                          run: str | None = None, loss: float | None = None,
+                          metrics: dict[str, Any] | None = None,
+                          weights: Sequence[float] | None = None) -> int:
+        if run is None and len(lease.run_ids) != 1:
+            raise ValueError("the lease spans several runs: name the run this step belongs to")
+        run_id = self.run_ids(run)[0] if run is not None else lease.run_ids[0]
+        return await ledger.commit_step(self.engine, lease, run_id=run_id, step=step,
+                                        policy_version=policy_version, loss=loss,
+                                        metrics=metrics, weights=weights)
+
+    async def release(self, lease: Lease) -> int:
+        return await sampler.release(self.engine, lease)
+
+    async def renew(self, lease: Lease, seconds: float | None = None):
+        return await sampler.renew(self.engine, lease, seconds or self.flow.lease_seconds)
+
+    async def reclaim_expired(self) -> int:
+        async with self.engine.begin() as conn:
+            return await sampler.reclaim_expired(conn)
+
+    async def retire(self, run: str | Sequence[str]) -> int:
+        return await sampler.retire(self.engine, self.run_ids(run), self.flow)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+
+def _blocking(coroutine_function):
+    @functools.wraps(coroutine_function)
+    def method(self: "Store", *args, **kwargs):
+        return self._loop.run(coroutine_function(self.aio, *args, **kwargs))
+
+    return method
+
+
+class Store:
+    """Blocking access to the store; `store.aio` is the async core, `store.engine` psycopg2."""
+
+    def __init__(self, url: str, flow: SamplerConfig | None = None) -> None:
+        self.url = url
+        self.engine: Engine = engines.sync_engine(url)
+        self._loop = LoopThread()
+        self.aio = AsyncStore(url, flow or SamplerConfig(), self.engine)
+
+    @classmethod
+    def open(cls, config: ReservoirConfig | None = None, *, quiet: bool = False) -> "Store":
+        """Connect (starting the embedded server if no URL is set); upgrade an empty database."""
+        config = config or ReservoirConfig()
+        store = cls(engines.resolve_url(config.store), config.sampler)
+        upgraded_to = migrate.ensure_schema(store.engine)
+        if upgraded_to and not quiet:
+            Console(stderr=True).print(
+                f"[green]Empty database at {engines.redact(store.url)}: upgraded its schema to "
+                f"revision {upgraded_to}.[/]")
+        return store
+
+    @property
+    def flow(self) -> SamplerConfig:
+        return self.aio.flow
+
+    def create_run(self, name: str, *, group_size: int | None = None, model: str | None = None,
+                   config: dict[str, Any] | None = None, exist_ok: bool = False) -> int:
+        with self.engine.begin() as conn:
+            return runs.create_run(conn, name, group_size=group_size, model=model,
+                                   config=config, exist_ok=exist_ok)
+
+    def publish_version(self, run: str, version: int, *, location: str | None = None,
+                        train_step: int | None = None) -> None:
+        with self.engine.begin() as conn:
+            runs.publish_version(conn, self.aio.run_ids(run)[0], version, location=location,
+                                 train_step=train_step)
+
+    write_groups = _blocking(AsyncStore.write_groups)
+    lease = _blocking(AsyncStore.lease)
+    commit_step = _blocking(AsyncStore.commit_step)
+    release = _blocking(AsyncStore.release)
+    renew = _blocking(AsyncStore.renew)
+    reclaim_expired = _blocking(AsyncStore.reclaim_expired)
+    retire = _blocking(AsyncStore.retire)
+
+    def close(self) -> None:
+        self._loop.run(self.aio.close())
+        self._loop.stop()
+        self.engine.dispose()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
