@@ -7,6 +7,7 @@ a `pgserver` system user) and as a normal user.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import warnings
@@ -15,6 +16,8 @@ from pathlib import Path
 import fasteners
 import psycopg2
 from psycopg2 import errors as pg_errors
+
+from sqlalchemy.engine import URL, make_url
 
 from reservoir.errors import StoreError
 
@@ -56,7 +59,14 @@ def start(data_dir: Path) -> str:
         log.info("embedded PostgreSQL started in %s", data_dir)
     with lock:
         _ensure_database(info.get_uri(database="postgres"))
-    return info.get_uri(database=DATABASE, driver="psycopg2")
+    return _plain_url(info.get_uri(database=DATABASE))
+
+
+def _plain_url(url: str) -> str:
+    """The URL without the wheel's empty password, in the form psql also accepts."""
+    parsed = make_url(url)
+    return URL.create("postgresql", username=parsed.username, database=parsed.database,
+                      query=parsed.query).render_as_string(hide_password=False)
 
 
 def _ensure_database(admin_url: str) -> None:
@@ -88,6 +98,7 @@ def stop(data_dir: Path) -> bool:
     pgserver.PostgresServer._lock = _lock(data_dir)
     server = pgserver.get_server(data_dir, cleanup_mode=None)
     server.stop()
+    atexit.unregister(server._cleanup)  # it would forget an instance we already dropped
     pgserver.PostgresServer._instances.pop(data_dir, None)
     log.info("embedded PostgreSQL in %s stopped (pid %s)", data_dir, os.getpid())
     return True
