@@ -6,7 +6,8 @@ Each run keeps two counters in its `runs` row: `rows_inserted` (experiences writ
 
     diff = rows_inserted * SPI - rows_sampled
 
-must stay within [-tolerance, +tolerance] around its start. A trainer that runs ahead of the
+must stay within `tolerance` of SPI * min_ready (Reverb centres the window there, so the
+first min_ready rows can go in before anything is sampled). A trainer that runs ahead of the
 explorers drives diff down and is made to wait; explorers that run ahead drive diff up and are
 made to wait. A request larger than the window (2 * tolerance) could never be granted: that
 would deadlock, so it is refused at once.
@@ -23,15 +24,20 @@ from reservoir.errors import FlowControlTimeout
 class RateLimit:
     samples_per_insert: float
     tolerance: float
+    min_ready: int = 1
+
+    @property
+    def centre(self) -> float:
+        return self.samples_per_insert * self.min_ready
 
     def diff(self, inserted: int, sampled: int) -> float:
         return inserted * self.samples_per_insert - sampled
 
     def can_sample(self, inserted: int, sampled: int, n: int) -> bool:
-        return self.diff(inserted, sampled + n) >= -self.tolerance
+        return self.diff(inserted, sampled + n) >= self.centre - self.tolerance
 
     def can_insert(self, inserted: int, sampled: int, n: int) -> bool:
-        return self.diff(inserted + n, sampled) <= self.tolerance
+        return self.diff(inserted + n, sampled) <= self.centre + self.tolerance
 
     def check_sample_size(self, n: int) -> None:
         if n > 2 * self.tolerance:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import BigInteger, Connection, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.errors import StoreError
@@ -44,8 +44,10 @@ def lock(run_ids: list[int]):
 
 def counters(run_ids: list[int]):
     """Statement: the summed flow-control counters (rows_inserted, rows_sampled) of runs."""
-    return select(func.coalesce(func.sum(runs.c.rows_inserted), 0),
-                  func.coalesce(func.sum(runs.c.rows_sampled), 0)).where(runs.c.id.in_(run_ids))
+    return select(
+        func.coalesce(func.sum(runs.c.rows_inserted), 0).cast(BigInteger),
+        func.coalesce(func.sum(runs.c.rows_sampled), 0).cast(BigInteger),
+    ).where(runs.c.id.in_(run_ids))
 
 
 def add_inserted(run_id: int, n: int):

@@ -181,7 +181,7 @@ async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min
     await reclaim_expired(conn, run_ids)
     limit = None
     if flow.samples_per_insert is not None:
-        limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance)
+        limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready)
         await conn.execute(runs.lock(list(run_ids)))
     await _check_min_ready(conn, run_ids, flow)
     token = uuid.uuid4()
@@ -217,7 +217,7 @@ async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None
         raise StoreError(f"lease needs exactly one of rows or groups >= 1 (got rows={rows}, "
                          f"groups={groups})")
     if flow.samples_per_insert is not None and rows is not None:
-        RateLimit(flow.samples_per_insert, flow.spi_tolerance).check_sample_size(rows)
+        RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready).check_sample_size(rows)
     timeout = flow.wait_timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout
     while True:

@@ -119,7 +119,7 @@ async def _wait_for_room(engine: AsyncEngine, rows_per_run: Counter, flow: Sampl
     """Block while explorers are ahead of the samples_per_insert ratio (within its tolerance)."""
     if flow.samples_per_insert is None:
         return
-    limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance)
+    limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready)
     n = sum(rows_per_run.values())
     limit.check_insert_size(n)
     deadline = time.monotonic() + flow.wait_timeout_s

@@ -1,0 +1,31 @@
+"""Experience groups for tests: small, seeded, and easy to make wrong on purpose."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reservoir.store import Experience, Store
+
+
+def make_group(run: str, *, size: int = 4, rewards=None, version: int = 0, seed: int = 0,
+               task_id: int | None = None, response_len: int = 6, **overrides) -> list[Experience]:
+    rng = np.random.default_rng(seed)
+    rewards = rewards if rewards is not None else [float(i % 2) for i in range(size)]
+    group = []
+    for i in range(size):
+        fields = dict(
+            run=run, task_id=task_id, policy_version=version, prompt_text=f"prompt {seed}",
+            response_text=f"response {seed}.{i}", prompt_ids=rng.integers(0, 1000, 5),
+            response_ids=rng.integers(0, 1000, response_len),
+            logprobs=-rng.random(response_len).astype(np.float32),
+            action_mask=np.ones(response_len, np.uint8), reward=float(rewards[i]),
+            reward_components={"accuracy": float(rewards[i])}, metadata={"i": i})
+        fields.update(overrides)
+        group.append(Experience(**fields))
+    return group
+
+
+def fill(store: Store, run: str, n_groups: int, *, size: int = 4, version: int = 0,
+         start_seed: int = 0) -> None:
+    store.write_groups([make_group(run, size=size, version=version, seed=start_seed + i)
+                        for i in range(n_groups)])

@@ -1,0 +1,231 @@
+"""The sampler and the ledger on a real PostgreSQL: orders, groups, limits, leases, commits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sqlalchemy import func, select, text, update
+
+from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
+from reservoir.store.schema import batch_items, experiences, runs, train_steps
+from tests.factories import fill, make_group
+
+
+def statuses(store) -> dict[str, int]:
+    with store.engine.connect() as conn:
+        rows = conn.execute(select(experiences.c.status, func.count())
+                            .group_by(experiences.c.status)).all()
+    return dict(rows)
+
+
+@pytest.mark.parametrize("order, expected", [("fifo", [1, 2, 3]), ("lifo", [40, 39, 38])])
+def test_fifo_and_lifo(make_store, order, expected):
+    store = make_store(order=order)
+    store.create_run("r")
+    fill(store, "r", 10)
+    assert sorted(store.lease("r", rows=3).ids, reverse=order == "lifo") == expected
+
+
+def test_priority_order(make_store):
+    store = make_store(order="priority")
+    store.create_run("r")
+    fill(store, "r", 5)
+    with store.engine.begin() as conn:
+        conn.execute(update(experiences).where(experiences.c.id.in_([7, 13]))
+                     .values(priority=5.0))
+    assert sorted(store.lease("r", rows=2).ids) == [7, 13]
+
+
+def test_uniform_order_is_not_fifo(make_store):
+    store = make_store(order="uniform")
+    store.create_run("r")
+    fill(store, "r", 50)
+    firsts = {tuple(store.lease("r", rows=5).ids) for _ in range(3)}
+    assert firsts != {(1, 2, 3, 4, 5)} and len(firsts) == 3
+
+
+def test_group_lease_returns_whole_groups_only(store):
+    store.create_run("r", group_size=4)
+    fill(store, "r", 6)
+    with store.engine.begin() as conn:  # group 1 still has a raw row: it is not complete yet
+        conn.execute(update(experiences).where(experiences.c.id == 2).values(status="raw"))
+    lease = store.lease("r", groups=5)
+    groups = lease.groups()
+    assert len(groups) == 5 and all(len(rows) == 4 for rows in groups.values())
+    assert 1 not in lease.ids and 2 not in lease.ids
+
+
+def test_staleness_floor_follows_published_versions(make_store):
+    store = make_store(max_staleness=1)
+    store.create_run("r")
+    for version in range(4):
+        fill(store, "r", 1, version=version, start_seed=version)
+        store.publish_version("r", version)
+    lease = store.lease("r", rows=100, allow_partial=True)
+    assert {row.policy_version for row in lease.rows} == {2, 3}
+    store.release(lease)
+    assert store.retire("r") == 8
+    assert statuses(store) == {"ready": 8, "retired": 8}
+
+
+def test_explicit_min_policy_version(store):
+    store.create_run("r")
+    fill(store, "r", 1, version=0)
+    fill(store, "r", 1, version=5, start_seed=1)
+    lease = store.lease("r", rows=8, min_policy_version=5, allow_partial=True)
+    assert {row.policy_version for row in lease.rows} == {5}
+
+
+def test_max_times_sampled_allows_reuse_up_to_the_limit(make_store):
+    store = make_store(max_times_sampled=2, sample_from=["ready", "consumed"])
+    store.create_run("r")
+    fill(store, "r", 1)
+    for step in (1, 2):
+        lease = store.lease("r", rows=4)
+        store.commit_step(lease, step=step, policy_version=0)
+    with pytest.raises(FlowControlTimeout):
+        store.lease("r", rows=1, timeout_s=0.2)
+    with store.engine.connect() as conn:
+        assert set(conn.execute(select(experiences.c.times_sampled)).scalars()) == {2}
+
+
+def test_partial_batches_wait_unless_allowed(store):
+    store.create_run("r")
+    fill(store, "r", 1)
+    with pytest.raises(FlowControlTimeout, match="4 of 10 rows"):
+        store.lease("r", rows=10, timeout_s=0.2)
+    assert statuses(store) == {"ready": 4}
+    assert len(store.lease("r", rows=10, allow_partial=True).rows) == 4
+
+
+def test_min_ready_gates_only_the_first_lease(make_store):
+    store = make_store(min_ready=12)
+    store.create_run("r")
+    fill(store, "r", 2)
+    with pytest.raises(FlowControlTimeout, match="min_ready"):
+        store.lease("r", rows=4, timeout_s=0.2)
+    fill(store, "r", 1, start_seed=9)
+    store.commit_step(store.lease("r", rows=4), step=1, policy_version=0)
+    assert len(store.lease("r", rows=8).rows) == 8  # 8 ready < 12, but training has started
+
+
+def test_samples_per_insert_blocks_a_trainer_ahead_of_explorers(make_store):
+    # each row should train half a time: diff = inserted * 0.5 - sampled stays in [-3.5, 4.5]
+    store = make_store(samples_per_insert=0.5, spi_tolerance=4)
+    store.create_run("r")
+    fill(store, "r", 2)  # diff = 4
+    store.commit_step(store.lease("r", rows=4), step=1, policy_version=0)  # diff = 0
+    with pytest.raises(FlowControlTimeout, match="ahead of the explorers"):
+        store.lease("r", rows=4, timeout_s=0.3)  # 4 rows are ready, but diff would be -4
+
+    def explorer():
+        time.sleep(0.3)
+        fill(store, "r", 1, start_seed=10)  # diff = 2
+
+    writer = threading.Thread(target=explorer)
+    writer.start()
+    started = time.monotonic()
+    lease = store.lease("r", rows=4, timeout_s=5)  # blocks until the explorer catches up
+    writer.join()
+    assert len(lease.rows) == 4 and time.monotonic() - started >= 0.25
+
+
+def test_samples_per_insert_blocks_explorers_ahead_of_the_trainer(make_store):
+    store = make_store(samples_per_insert=1.0, spi_tolerance=8)  # window [1 - 8, 1 + 8]
+    store.create_run("r")
+    fill(store, "r", 2)  # diff = 8: another group would make it 12 > 9
+    with pytest.raises(FlowControlTimeout, match="explorers are ahead"):
+        store.write_groups([make_group("r", seed=5)])
+    with store.engine.connect() as conn:
+        assert conn.execute(select(runs.c.rows_inserted)).scalar() == 8
+    store.commit_step(store.lease("r", rows=8), step=1, policy_version=0)
+    assert store.write_groups([make_group("r", seed=5)]).rows == 4
+
+
+def test_requests_larger_than_the_window_fail_at_once(make_store):
+    store = make_store(samples_per_insert=1.0, spi_tolerance=2)
+    store.create_run("r")
+    with pytest.raises(FlowControlTimeout, match="deadlock"):
+        store.lease("r", rows=8)
+    with pytest.raises(FlowControlTimeout, match="deadlock"):
+        store.write_groups([make_group("r", size=8)])
+
+
+def test_commit_writes_step_ledger_and_status_together(store):
+    store.create_run("r")
+    fill(store, "r", 3)
+    lease = store.lease("r", rows=6)
+    store.commit_step(lease, step=7, policy_version=3, loss=0.25, metrics={"kl": 0.01},
+                      weights=[0.5] * 6)
+    with store.engine.connect() as conn:
+        step = conn.execute(select(train_steps)).one()
+        items = conn.execute(select(batch_items)).all()
+    assert (step.step, step.policy_version, step.loss, step.n_experiences) == (7, 3, 0.25, 6)
+    assert sorted(item.experience_id for item in items) == sorted(lease.ids)
+    assert {(item.train_step_id, item.policy_version, item.weight) for item in items} == {
+        (step.id, 3, 0.5)}
+    assert statuses(store) == {"consumed": 6, "ready": 6}
+
+
+def test_failure_between_lease_and_commit_consumes_nothing(make_store):
+    store = make_store(lease_seconds=0.5)
+    store.create_run("r")
+    fill(store, "r", 2)
+    lease = store.lease("r", rows=8)
+    # the trainer crashes here: no commit, no release
+    time.sleep(0.6)
+    again = store.lease("r", rows=8)  # expiry is reclaimed by the next lease
+    assert sorted(again.ids) == sorted(lease.ids)
+    with pytest.raises(LeaseLost):
+        store.commit_step(lease, step=1, policy_version=0)
+    with store.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(train_steps)).scalar() == 0
+        assert conn.execute(select(runs.c.rows_sampled)).scalar() == 8
+    store.commit_step(again, step=1, policy_version=0)
+    assert statuses(store) == {"consumed": 8}
+
+
+def test_release_hands_rows_back(store):
+    store.create_run("r")
+    fill(store, "r", 1)
+    lease = store.lease("r", rows=4)
+    assert store.release(lease) == 4
+    assert statuses(store) == {"ready": 4}
+    with store.engine.connect() as conn:
+        assert conn.execute(select(runs.c.rows_sampled)).scalar() == 0
+
+
+def test_duplicate_step_consumes_nothing(store):
+    store.create_run("r")
+    fill(store, "r", 2)
+    store.commit_step(store.lease("r", rows=4), step=1, policy_version=0)
+    second = store.lease("r", rows=4)
+    with pytest.raises(StoreError, match="already committed"):
+        store.commit_step(second, step=1, policy_version=0)
+    assert statuses(store) == {"consumed": 4, "leased": 4}
+
+
+def test_renew_extends_a_lease(make_store):
+    store = make_store(lease_seconds=0.3)
+    store.create_run("r")
+    fill(store, "r", 1)
+    lease = store.lease("r", rows=4)
+    store.renew(lease, 30)
+    time.sleep(0.4)
+    assert store.reclaim_expired() == 0
+    store.commit_step(lease, step=1, policy_version=0)
+
+
+def test_lease_across_runs_commits_to_the_named_run(store):
+    for name in ("old", "new"):
+        store.create_run(name)
+    fill(store, "old", 1)
+    lease = store.lease(["old", "new"], rows=4)
+    with pytest.raises(ValueError, match="several runs"):
+        store.commit_step(lease, step=1, policy_version=0)
+    store.commit_step(lease, step=1, policy_version=0, run="new")
+    with store.engine.connect() as conn:
+        owner = conn.execute(text("SELECT r.name FROM train_steps t JOIN runs r ON r.id = t.run_id"))
+        assert owner.scalar() == "new"

@@ -1,0 +1,36 @@
+"""A trainer stand-in in its own process: lease batches, print their ids, commit or hold.
+
+    python -m tests.workers.lease_worker URL RUN WORKER_INDEX BATCH commit|hold LEASE_SECONDS
+
+`commit` leases until nothing is left, committing each batch as a step; `hold` leases one
+batch, prints it and sleeps (to be killed while holding the lease).
+"""
+
+import json
+import sys
+import time
+
+from reservoir.config import SamplerConfig
+from reservoir.errors import FlowControlTimeout
+from reservoir.store import Store
+
+
+def main() -> None:
+    url, run, index, batch, mode, lease_seconds = sys.argv[1:7]
+    flow = SamplerConfig(unit="rows", lease_seconds=float(lease_seconds), wait_timeout_s=0.5)
+    with Store(url, flow) as store:
+        step = int(index) * 100_000
+        while True:
+            try:
+                lease = store.lease(run, rows=int(batch), allow_partial=True)
+            except FlowControlTimeout:
+                return
+            print(json.dumps(lease.ids), flush=True)
+            if mode == "hold":
+                time.sleep(3600)
+            step += 1
+            store.commit_step(lease, step=step, policy_version=0)
+
+
+if __name__ == "__main__":
+    main()
