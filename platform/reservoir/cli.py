@@ -204,5 +204,7 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
                              "SELECT step, n_experiences, round(reward_mean::numeric, 3) AS "
                              "reward_mean, response_len_mean FROM analytics.run_steps "
                              "WHERE run = :run ORDER BY step", params={"run": run}))
-        console.print(f"[bold]reservoir inspect run {run}[/], "
-                      "[bold]reservoir inspect experience 1[/]")
+        trained = run_sql(store.engine, "SELECT min(experience_id) FROM analytics.lineage "
+                          "WHERE run = :run AND train_step IS NOT NULL", params={"run": run})
+        console.print(f"[bold]reservoir inspect run {run}[/]   "
+                      f"[bold]reservoir inspect experience {trained.rows[0][0]}[/]")
