@@ -8,7 +8,10 @@ RESERVOIR_TEST_DB_URL selects a server, e.g. postgresql://postgres@127.0.0.1:543
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import psycopg2
 import pytest
@@ -38,15 +41,22 @@ def _admin(admin_url: str, *statements: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def admin_url(tmp_path_factory):
-    """URL of a database on the test server from which databases can be created."""
+def admin_url():
+    """URL of a database on the test server from which databases can be created.
+
+    The embedded server's data lives in its own temporary directory, not under pytest's
+    basetemp, which another pytest session's clean-up may delete while this one runs.
+    """
     url = os.environ.get(TEST_URL_ENV)
     if url:
         yield url
         return
-    data_dir = tmp_path_factory.mktemp("embedded") / "pg"
-    yield _database_url(server.start(data_dir), "postgres")
-    server.stop(data_dir)
+    root = Path(tempfile.mkdtemp(prefix="reservoir-test-pg-"))
+    try:
+        yield _database_url(server.start(root / "pg"), "postgres")
+    finally:
+        server.stop(root / "pg")
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,8 @@ LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
   SELECT CASE
     WHEN e = 255 AND m = 0 THEN (CASE WHEN s = 1 THEN '-Infinity' ELSE 'Infinity' END)::real
     WHEN e = 255 THEN 'NaN'::real
-    WHEN e = 0 THEN ((1 - 2 * s) * m * (2.0::float8 ^ -149))::real
-    ELSE ((1 - 2 * s) * (1 + m / 8388608.0::float8) * (2.0::float8 ^ (e - 127)))::real
+    WHEN e = 0 THEN ((1 - 2 * s)::float8 * m * (2.0::float8 ^ -149))::real
+    ELSE ((1 - 2 * s)::float8 * (1 + m / 8388608.0::float8) * (2.0::float8 ^ (e - 127)))::real
   END
   FROM (SELECT (bits >> 31) & 1 AS s, (bits >> 23) & 255 AS e, bits & 8388607 AS m) AS parts
 $$;

@@ -81,6 +81,8 @@ def load_config(path: Path | str | None) -> ReservoirConfig:
         raw = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -92,10 +93,14 @@ class _RowChecker:
             self.fail(field_name, values, "token ids must lie in [0, 2**31)")
         return array
 
-    def per_token(self, field_name: str, values: Any, n_tokens: int, dtype) -> np.ndarray | None:
+    def per_token(self, field_name: str, values: Any, n_tokens: int, kind: str) -> np.ndarray | None:
+        """A per-response-token array of numbers (`kind` "f") or integers ("i")."""
         if values is None:
             return None
-        array = np.asarray(values, dtype=dtype)
+        array = np.asarray(values)
+        allowed = "biu" if kind == "i" else "biuf"
+        if array.size and array.dtype.kind not in allowed:
+            self.fail(field_name, values, "must hold " + ("integers" if kind == "i" else "numbers"))
         if array.shape != (n_tokens,):
             self.fail(field_name, values,
                       f"needs one value per response token ({n_tokens}), got shape {array.shape}")
@@ -108,28 +113,32 @@ class _RowChecker:
             self.fail(field_name, value, f"must be JSON without NaN or infinity ({exc})")
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def encode_row(exp: Experience, group_index: int, row_index: int) -> EncodedRow:
     check = _RowChecker(group_index, row_index, exp)
     if not exp.response_text or not exp.response_text.strip():
         check.fail("response_text", exp.response_text, "the response must not be empty")
     prompt_ids = check.tokens("prompt_ids", exp.prompt_ids, non_empty=False)
     response_ids = check.tokens("response_ids", exp.response_ids, non_empty=True)
-    logprobs = check.per_token("logprobs", exp.logprobs, response_ids.size, codec.LOGPROB)
+    logprobs = check.per_token("logprobs", exp.logprobs, response_ids.size, "f")
     if logprobs is not None and not np.isfinite(logprobs).all():
         check.fail("logprobs", exp.logprobs, "logprobs must be finite")
-    mask = check.per_token("action_mask", exp.action_mask, response_ids.size, np.int64)
+    mask = check.per_token("action_mask", exp.action_mask, response_ids.size, "i")
     if mask is not None and ((mask != 0) & (mask != 1)).any():
         check.fail("action_mask", exp.action_mask, "mask values must be 0 or 1")
-    if not isinstance(exp.reward, (int, float)) or not math.isfinite(exp.reward):
+    if not _finite_number(exp.reward):
         check.fail("reward", exp.reward, "reward must be a finite number")
     for name, value in exp.reward_components.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not _finite_number(value):
             check.fail(f"reward_components.{name}", value, "components must be finite numbers")
-    if not isinstance(exp.policy_version, int) or exp.policy_version < 0:
-        check.fail("policy_version", exp.policy_version, "must be an integer >= 0")
+    if not isinstance(exp.policy_version, numbers.Integral) or not 0 <= exp.policy_version <= INT32_MAX:
+        check.fail("policy_version", exp.policy_version, "must be an integer in [0, 2**31)")
     return EncodedRow(
         task_id=exp.task_id,
-        policy_version=exp.policy_version,
+        policy_version=int(exp.policy_version),
         prompt_text=exp.prompt_text,
         response_text=exp.response_text,
         prompt_ids=codec.encode(prompt_ids, codec.TOKEN),
@@ -137,7 +146,8 @@ def encode_row(exp: Experience, group_index: int, row_index: int) -> EncodedRow:
         logprobs=None if logprobs is None else codec.encode(logprobs, codec.LOGPROB),
         action_mask=None if mask is None else codec.encode(mask, codec.MASK),
         reward=float(exp.reward),
-        reward_components=check.json_text("reward_components", exp.reward_components),
+        reward_components=check.json_text(
+            "reward_components", {name: float(v) for name, v in exp.reward_components.items()}),
         metadata=check.json_text("metadata", exp.metadata),
         parent_id=exp.parent_id,
     )
@@ -146,8 +156,9 @@ def encode_row(exp: Experience, group_index: int, row_index: int) -> EncodedRow:
 def check_group_shape(group: Sequence[Experience], group_index: int) -> None:
     """All rows of a group share run, task, policy version and group id."""
     if not group:
-        raise ExperienceInvalid(f"group {group_index} is empty", group_index=group_index,
-                                row_index=None, field="group")
+        raise ExperienceInvalid(f"group {group_index} is empty: a group needs at least one row; "
+                                "nothing of this group was written",
+                                group_index=group_index, row_index=None, field="group")
     first = group[0]
     for row_index, exp in enumerate(group):
         for name in ("run", "task_id", "group_id", "policy_version"):

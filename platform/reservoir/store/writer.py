@@ -14,10 +14,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
+import asyncpg
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from reservoir.config import SamplerConfig
-from reservoir.errors import ExperienceInvalid, FlowControlTimeout
+from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
 from reservoir.store import runs
 from reservoir.store.flow import RateLimit
 from reservoir.store.records import EncodedRow, Experience, check_group_shape, encode_row
@@ -75,12 +77,16 @@ async def write_groups(
          row.reward, row.reward_components, row.metadata, status, row.parent_id)
         for group in checked for row in group.rows
     ]
-    async with engine.begin() as conn:
-        for run_id, n in sorted(rows_per_run.items()):  # also opens the transaction COPY joins
-            await conn.execute(runs.add_inserted(run_id, n))
-        raw = await conn.get_raw_connection()
-        await raw.driver_connection.copy_records_to_table(
-            "experiences", records=records, columns=COPY_COLUMNS)
+    try:
+        async with engine.begin() as conn:
+            for run_id, n in sorted(rows_per_run.items()):  # also opens the transaction COPY joins
+                await conn.execute(runs.add_inserted(run_id, n))
+            raw = await conn.get_raw_connection()
+            await raw.driver_connection.copy_records_to_table(
+                "experiences", records=records, columns=COPY_COLUMNS)
+    except (asyncpg.PostgresError, DBAPIError) as exc:
+        raise StoreError(f"writing {len(records)} rows in {len(checked)} groups failed in the "
+                         f"database; nothing of this batch was written: {exc}") from exc
     result.groups = len(checked)
     result.rows = len(records)
     result.group_ids = [group.group_id for group in checked]

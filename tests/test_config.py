@@ -1,0 +1,109 @@
+"""reservoir.config: YAML files in, typed config or a ConfigError naming file and key out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reservoir.config import DB_URL_ENV, ReservoirConfig, StoreConfig, load_config
+from reservoir.errors import ConfigError
+
+
+@pytest.fixture
+def write(tmp_path):
+    def write(body: str) -> Path:
+        path = tmp_path / "reservoir.yaml"
+        path.write_text(body)
+        return path
+    return write
+
+
+def config_error(path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
+def test_valid_file_and_defaults(write):
+    config = load_config(write("sampler:\n  max_staleness: 2\n  order: priority\n"))
+    assert (config.sampler.max_staleness, config.sampler.order) == (2, "priority")
+    assert config.sampler.lease_seconds == 300.0
+    assert load_config(None) == ReservoirConfig() == load_config(write(""))
+
+
+def test_unknown_key_names_file_path_and_suggestion(write):
+    path = write("sampler:\n  max_stalenes: 3\n")
+    message = config_error(path)
+    assert str(path) in message
+    assert "sampler.max_stalenes: unknown key" in message
+    assert "did you mean 'max_staleness'" in message
+
+
+def test_unknown_key_without_close_match_lists_the_valid_keys(write):
+    message = config_error(write("store:\n  zzz: 1\n"))
+    assert "store.zzz" in message and "valid keys: url, data_dir" in message
+
+
+def test_unknown_section_suggests_one(write):
+    message = config_error(write("samplr:\n  order: lifo\n"))
+    assert "samplr: unknown key; did you mean 'sampler'" in message
+
+
+@pytest.mark.parametrize("body, key", [
+    ("sampler:\n  lease_seconds: soon\n", "sampler.lease_seconds"),
+    ("sampler:\n  order: random\n", "sampler.order"),
+    ("sampler:\n  min_ready: 0\n", "sampler.min_ready"),
+    ("sampler:\n  sample_from: [ready, bogus]\n", "sampler.sample_from.1"),
+    ("store: 5\n", "store"),
+])
+def test_wrong_type_or_value_names_the_key(write, body, key):
+    path = write(body)
+    message = config_error(path)
+    assert str(path) in message
+    assert f"\n  {key}: " in message
+
+
+def test_invalid_yaml_names_the_file(write):
+    path = write("sampler: [unclosed\n")
+    message = config_error(path)
+    assert message.startswith(f"{path}: not valid YAML")
+
+
+def test_missing_file_names_the_file(tmp_path):
+    path = tmp_path / "absent.yaml"
+    assert config_error(path) == f"{path}: config file not found"
+
+
+@pytest.mark.parametrize("make", [lambda tmp: tmp, lambda tmp: tmp / "bad.yaml"],
+                         ids=["directory", "not-utf8"])
+def test_unreadable_file_names_the_file(tmp_path, make):
+    # Regression guard (was a bug): config.py load_config catches only FileNotFoundError and yaml.YAMLError around
+    # path.read_text(), so a directory (IsADirectoryError), an unreadable file (PermissionError)
+    # or bytes that are not UTF-8 (UnicodeDecodeError) escape as bare exceptions, not ConfigError.
+    (tmp_path / "bad.yaml").write_bytes(b"sampler:\n  order: \xff\n")
+    path = make(tmp_path)
+    assert config_error(path).startswith(f"{path}: ")
+
+
+@pytest.mark.parametrize("body", ["- store\n- sampler\n", "just text\n", "42\n"])
+def test_top_level_must_be_a_mapping(write, body):
+    path = write(body)
+    assert config_error(path) == f"{path}: the top level must be a mapping of sections"
+
+
+def test_consumed_rows_need_max_times_sampled_above_one(write):
+    message = config_error(write("sampler:\n  sample_from: [ready, consumed]\n"
+                                 "  max_times_sampled: 1\n"))
+    assert "sampler:" in message and "max_times_sampled is 1" in message
+    config = load_config(write("sampler:\n  sample_from: [ready, consumed]\n"
+                               "  max_times_sampled: 2\n"))
+    assert config.sampler.sample_from == ["ready", "consumed"]
+
+
+def test_resolved_url_prefers_store_url_over_environment(monkeypatch):
+    monkeypatch.setenv(DB_URL_ENV, "postgresql://env/db")
+    assert StoreConfig(url="postgresql://config/db").resolved_url() == "postgresql://config/db"
+    assert StoreConfig().resolved_url() == "postgresql://env/db"
+    monkeypatch.setenv(DB_URL_ENV, "")
+    assert StoreConfig().resolved_url() is None

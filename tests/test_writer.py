@@ -1,0 +1,252 @@
+"""The writer against a real PostgreSQL: validation, skip mode, round trip, atomicity."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from sqlalchemy import text
+
+from reservoir.errors import ExperienceInvalid, StoreError
+from reservoir.store import Experience, codec
+from reservoir.store.records import INT32_MAX
+from reservoir.store.tasks import add_tasks
+from tests.factories import make_group
+
+
+def fetch(store, sql: str, **params):
+    with store.engine.connect() as conn:
+        return conn.execute(text(sql), params).all()
+
+
+def counts(store) -> tuple[int, int]:
+    """(rows in experiences, sum of runs.rows_inserted)."""
+    return tuple(fetch(store, "SELECT (SELECT count(*) FROM experiences), "
+                              "(SELECT coalesce(sum(rows_inserted), 0)::bigint FROM runs)")[0])
+
+
+@pytest.fixture
+def seeded(store):
+    """Run 'r' (group_size 4) already holding one group, so 'unchanged' is not just 'empty'."""
+    store.create_run("r", group_size=4)
+    store.write_groups([make_group("r", seed=100)])
+    assert counts(store) == (4, 4)
+    return store
+
+
+def row(index: int, **changes):
+    """A mutation that changes one row of a group."""
+    def mutate(group):
+        group[index] = replace(group[index], **changes)
+        return group
+    return mutate
+
+
+def every_row(**changes):
+    return lambda group: [replace(exp, **changes) for exp in group]
+
+
+def case(case_id, mutate, field, row_index, shown):
+    return pytest.param(mutate, field, row_index, shown, id=case_id)
+
+
+INVALID = [
+    case("logprobs-length", row(2, logprobs=[-0.5] * 5), "logprobs", 2,
+         "[-0.5, -0.5, -0.5, -0.5, -0.5]"),
+    case("mask-length", row(2, action_mask=[1] * 7), "action_mask", 2, "[1, 1, 1, 1, 1, 1, 1]"),
+    case("reward-nan", row(2, reward=math.nan), "reward", 2, "= nan"),
+    case("reward-inf", row(2, reward=math.inf), "reward", 2, "= inf"),
+    case("component-nan", row(2, reward_components={"accuracy": math.nan}),
+         "reward_components.accuracy", 2, "= nan"),
+    case("empty-text", row(2, response_text=""), "response_text", 2, "= ''"),
+    case("blank-text", row(2, response_text=" \n"), "response_text", 2, r"= ' \n'"),
+    case("empty-response-ids", row(2, response_ids=[]), "response_ids", 2, "= []"),
+    case("negative-token", row(2, response_ids=[5, 6, -1, 7, 8, 9]), "response_ids", 2,
+         "[5, 6, -1, 7, 8, 9]"),
+    case("token-over-int32", row(2, response_ids=[5, 6, 2**31, 7, 8, 9]), "response_ids", 2,
+         "[5, 6, 2147483648, 7, 8, 9]"),
+    case("negative-prompt-token", row(2, prompt_ids=[3, -3]), "prompt_ids", 2, "[3, -3]"),
+    case("float-tokens", row(2, response_ids=[1.5, 2, 3, 4, 5, 6]), "response_ids", 2,
+         "[1.5, 2, 3, 4, 5, 6]"),
+    case("mask-value-2", row(2, action_mask=[1, 1, 2, 1, 1, 1]), "action_mask", 2,
+         "[1, 1, 2, 1, 1, 1]"),
+    case("logprob-nan", row(2, logprobs=[-0.1] * 5 + [math.nan]), "logprobs", 2, "nan]"),
+    case("logprob-inf", row(2, logprobs=[-math.inf] + [-0.1] * 5), "logprobs", 2, "[-inf,"),
+    case("negative-version", every_row(policy_version=-1), "policy_version", 0, "= -1"),
+    case("metadata-object", row(2, metadata={"when": object()}), "metadata", 2, "<object object"),
+    case("metadata-nan", row(2, metadata={"x": math.nan}), "metadata", 2, "{'x': nan}"),
+    case("run-missing", every_row(run="nope"), "run", 0, "'nope'"),
+    case("group-size", lambda group: group[:3], "group_size", None, "3 rows"),
+    case("mixed-run", row(2, run="other"), "run", 2, "'other'"),
+    case("mixed-task", row(2, task_id=7), "task_id", 2, "= 7"),
+    case("mixed-version", row(2, policy_version=1), "policy_version", 2, "= 1"),
+    case("empty-group", lambda group: [], "group", None, "is empty"),
+    # Regression guard (was a bug): records.py _RowChecker.per_token casts with np.asarray(values, dtype=np.int64), which
+    # truncates 0.5 to 0, so a fractional mask is silently stored as 0 instead of rejected.
+    case("mask-fraction", row(2, action_mask=[1, 1, 0.5, 1, 1, 1]), "action_mask", 2, "0.5"),
+    # Regression guard (was a bug): the same cast raises a bare ValueError for a non-numeric logprob (not ExperienceInvalid),
+    # so on_invalid="skip" cannot skip such a group and the whole batch fails.
+    case("logprob-text", row(2, logprobs=[-0.1] * 5 + ["x"]), "logprobs", 2, "'x'"),
+    # Regression guard (was a bug): policy_version has no upper bound; 2**31 passes validation and asyncpg then fails the
+    # COPY on the integer column with a driver error that names no group, row or field.
+    case("version-over-int32", every_row(policy_version=2**31), "policy_version", 0, "2147483648"),
+]
+
+
+@pytest.mark.parametrize("mutate, field, row_index, shown", INVALID)
+def test_invalid_group_rejects_the_whole_batch(seeded, mutate, field, row_index, shown):
+    batch = [make_group("r", seed=1), mutate(make_group("r", seed=2)), make_group("r", seed=3)]
+    before = counts(seeded)
+    with pytest.raises(ExperienceInvalid) as info:
+        seeded.write_groups(batch)
+    exc = info.value
+    assert (exc.group_index, exc.row_index, exc.field) == (1, row_index, field)
+    message = str(exc)
+    assert message.startswith("group 1")
+    assert field in message and shown in message
+    if row_index is not None:
+        assert f"group 1 row {row_index}" in message
+    assert counts(seeded) == before
+
+
+def test_numpy_float32_reward_is_accepted(seeded):
+    # Regression guard (was a bug): records.py encode_row checks isinstance(exp.reward, (int, float)); np.float32 (what
+    # np.mean of a float32 array returns) is not a float subclass, so 0.5 is rejected as
+    # "reward must be a finite number". Same for np.int64 policy_version.
+    seeded.write_groups([make_group("r", seed=1, reward=np.float32(0.5))])
+    sql = "SELECT DISTINCT reward FROM experiences WHERE prompt_text = 'prompt 1'"
+    assert fetch(seeded, sql) == [(0.5,)]
+
+
+def test_reward_zero_is_a_reward(seeded):
+    seeded.write_groups([make_group("r", seed=1, rewards=[0.0, 0.0, 0, 0.0])])
+    rows = fetch(seeded, "SELECT reward, reward_components FROM experiences "
+                         "WHERE prompt_text = 'prompt 1'")
+    assert [tuple(r) for r in rows] == [(0.0, {"accuracy": 0.0})] * 4
+
+
+def test_skip_writes_the_good_groups_and_returns_the_bad(seeded):
+    before = counts(seeded)
+    batch = [make_group("r", seed=1), make_group("r", seed=2, reward=math.nan),
+             make_group("r", seed=3)]
+    result = seeded.write_groups(batch, on_invalid="skip")
+    assert (result.groups, result.rows) == (2, 8)
+    assert [(e.group_index, e.row_index, e.field) for e in result.rejected] == [(1, 0, "reward")]
+    assert counts(seeded) == (before[0] + 8, before[1] + 8)
+    written = dict(fetch(seeded, "SELECT DISTINCT prompt_text, group_id FROM experiences "
+                                 "WHERE prompt_text <> 'prompt 100'"))
+    assert set(written) == {"prompt 1", "prompt 3"}
+    assert [written["prompt 1"], written["prompt 3"]] == result.group_ids
+
+
+def test_skip_with_only_bad_groups_writes_nothing(seeded):
+    before = counts(seeded)
+    result = seeded.write_groups([make_group("r", seed=1, size=3), []],
+                                 on_invalid="skip")
+    assert (result.groups, result.rows, result.group_ids) == (0, 0, [])
+    assert [e.field for e in result.rejected] == ["group_size", "group"]
+    assert counts(seeded) == before
+
+
+@pytest.fixture
+def written(store):
+    """A group with edge values written to run 'r' (group_size 3) for a task: (group, result)."""
+    store.create_run("r", group_size=3)
+    with store.engine.begin() as conn:
+        [task_id] = add_tasks(conn, store.aio.run_ids("r")[0], [{"prompt": "2+2=?"}])
+    common = dict(run="r", task_id=task_id, policy_version=2, prompt_text="2+2=? ✓")
+    group = [
+        Experience(**common, response_text="4", prompt_ids=[0, 7, INT32_MAX],
+                   response_ids=[INT32_MAX, 0, 3, 4],
+                   logprobs=[-0.1, -1e-45, -3.4028235e38, 0.0], action_mask=[1, 0, 0, 1],
+                   reward=1.0, reward_components={"accuracy": 1.0, "format": 0.25},
+                   metadata={"seed": 7, "tags": ["a", "é"]}),
+        Experience(**common, response_text="four", prompt_ids=[], response_ids=[9],
+                   reward=-0.5),
+        Experience(**common, response_text="IV", prompt_ids=np.arange(20),
+                   response_ids=np.arange(100, 150, dtype=np.uint16),
+                   logprobs=-np.linspace(0.5, 30, 50), action_mask=np.ones(50, np.uint8),
+                   reward=0.0),
+    ]
+    return group, store.write_groups([group])
+
+
+def test_round_trip_through_numpy(written, store):
+    group, result = written
+    rows = fetch(store, "SELECT * FROM experiences ORDER BY id")
+    assert len(rows) == len(group) == result.rows
+    assert {r.group_id for r in rows} == set(result.group_ids) and len(result.group_ids) == 1
+    for exp, r in zip(group, rows):
+        assert (r.run_id, r.task_id, r.policy_version, r.status) == (
+            store.aio.run_ids("r")[0], exp.task_id, 2, "ready")
+        assert (r.prompt_text, r.response_text, r.reward) == (
+            exp.prompt_text, exp.response_text, exp.reward)
+        assert (r.reward_components, r.metadata) == (exp.reward_components, exp.metadata)
+        assert np.array_equal(codec.decode(r.prompt_ids, codec.TOKEN), exp.prompt_ids)
+        assert np.array_equal(codec.decode(r.response_ids, codec.TOKEN), exp.response_ids)
+        assert (r.prompt_len, r.response_len) == (len(exp.prompt_ids), len(exp.response_ids))
+        if exp.logprobs is None:
+            assert r.logprobs is None and r.action_mask is None
+            continue
+        logprobs = codec.decode(r.logprobs, codec.LOGPROB)
+        assert logprobs.dtype == np.float32
+        assert logprobs.tobytes() == np.asarray(exp.logprobs, np.float32).tobytes()
+        assert codec.decode(r.action_mask, codec.MASK).tolist() == list(exp.action_mask)
+
+
+def test_round_trip_through_sql_decoders(written, store):
+    group, _ = written
+    rows = fetch(store, "SELECT * FROM analytics.experience_tokens WHERE run = 'r' ORDER BY id")
+    assert len(rows) == len(group)
+    for exp, r in zip(group, rows):
+        assert r.prompt_ids == [int(t) for t in exp.prompt_ids]
+        assert r.response_ids == [int(t) for t in exp.response_ids]
+        if exp.logprobs is None:
+            assert r.logprobs is None and r.action_mask is None
+            continue
+        assert (np.asarray(r.logprobs, np.float32).tobytes()
+                == np.asarray(exp.logprobs, np.float32).tobytes())
+        assert r.action_mask == [int(m) for m in exp.action_mask]
+
+
+def test_sql_decoder_keeps_the_sign_of_zero(store):
+    # Regression guard (was a bug): migrations/versions/0002_analytics_views.py, analytics.float32_from_bits, branch
+    # e = 0: (1 - 2 * s) * m is a bigint product, so for m = 0 the sign is lost before the
+    # float8 multiply and a logprob of -0.0 decodes as +0.0 (numpy decode keeps -0.0).
+    store.create_run("r", group_size=1)
+    store.write_groups([[Experience(run="r", prompt_text="p", response_text="r", prompt_ids=[1],
+                                    response_ids=[2, 3], logprobs=[-0.0, -1.0], reward=0.0)]])
+    [(logprobs,)] = fetch(store, "SELECT logprobs FROM analytics.experience_tokens")
+    assert np.signbit(logprobs).tolist() == [True, True]
+
+
+def test_status_and_rows_inserted(seeded):
+    result = seeded.write_groups([make_group("r", seed=1), make_group("r", seed=2)], status="raw")
+    assert result.rows == 8
+    assert fetch(seeded, "SELECT rows_inserted FROM runs WHERE name = 'r'")[0][0] == 4 + 8
+    statuses = dict(fetch(seeded, "SELECT prompt_text, string_agg(DISTINCT status, ',') "
+                                  "FROM experiences GROUP BY prompt_text"))
+    assert statuses == {"prompt 100": "ready", "prompt 1": "raw", "prompt 2": "raw"}
+
+
+def test_database_failure_writes_nothing_of_the_batch(seeded):
+    before = counts(seeded)
+    batch = [make_group("r", seed=1), make_group("r", seed=2, task_id=999_999)]
+    # Observed: asyncpg.exceptions.ForeignKeyViolationError, raised by the COPY and not wrapped
+    # (see test_database_failure_is_a_store_error).
+    with pytest.raises(Exception, match="task_id") as info:
+        seeded.write_groups(batch)
+    assert not isinstance(info.value, ExperienceInvalid)
+    assert counts(seeded) == before
+    seeded.write_groups([make_group("r", seed=3)])  # the pooled connection is still usable
+    assert counts(seeded) == (before[0] + 4, before[1] + 4)
+
+
+def test_database_failure_is_a_store_error(seeded):
+    # Regression guard (was a bug): writer.py write_groups calls asyncpg's copy_records_to_table without catching driver
+    # errors, so an asyncpg.ForeignKeyViolationError escapes instead of a StoreError (STYLE.md:
+    # wrap driver errors; ledger.py wraps IntegrityError this way).
+    with pytest.raises(StoreError, match="task_id"):
+        seeded.write_groups([make_group("r", seed=2, task_id=999_999)])
