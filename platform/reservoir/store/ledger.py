@@ -4,15 +4,42 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from sqlalchemy import func, insert, literal, select, update
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.types import BigInteger, Float
 
 from reservoir.errors import LeaseLost, StoreError
 from reservoir.store.sampler import Lease
-from reservoir.store.schema import batch_items, experiences as e, train_steps
+
+# One statement: the lease's rows become consumed, the step row is inserted, and one ledger row
+# per consumed experience joins the two. It returns one row per ledger entry written.
+COMMIT_STEP = text("""
+WITH consumed AS (
+    UPDATE experiences
+    SET status = 'consumed', times_sampled = times_sampled + 1,
+        lease_token = NULL, leased_until = NULL
+    WHERE lease_token = :token
+    RETURNING id
+), step AS (
+    INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences)
+    VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences)
+    RETURNING id
+), weighted AS (
+    SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:weights AS float8[]))
+        AS w (experience_id, weight)
+)
+INSERT INTO batch_items (train_step_id, experience_id, policy_version, weight)
+SELECT step.id, consumed.id, :policy_version, weighted.weight
+FROM consumed JOIN weighted ON weighted.experience_id = consumed.id CROSS JOIN step
+RETURNING train_step_id
+""").bindparams(
+    bindparam("token", type_=UUID(as_uuid=True)),
+    bindparam("metrics", type_=JSONB),
+    bindparam("ids", type_=ARRAY(BigInteger)),
+    bindparam("weights", type_=ARRAY(Float)),
+)
 
 
 async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: int,
@@ -29,32 +56,21 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
     ids = lease.ids
     if weights is not None and len(weights) != len(ids):
         raise StoreError(f"commit_step: {len(weights)} weights for {len(ids)} leased rows")
+    params = dict(token=lease.token, run_id=run_id, step=step, policy_version=policy_version,
+                  loss=loss, metrics=metrics or {}, n_experiences=len(ids), ids=ids,
+                  weights=[float(w) for w in weights] if weights is not None else [1.0] * len(ids))
     async with engine.begin() as conn:
-        consumed = (await conn.execute(
-            update(e).where(e.c.lease_token == lease.token)
-            .values(status="consumed", times_sampled=e.c.times_sampled + 1,
-                    lease_token=None, leased_until=None)
-            .returning(e.c.id))).scalars().all()
-        if len(consumed) != len(ids):
-            raise LeaseLost(
-                f"step {step}: lease {lease.token} holds {len(consumed)} of its {len(ids)} rows "
-                "(it expired and was reclaimed); nothing was consumed, lease a new batch")
         try:
-            step_id = (await conn.execute(
-                insert(train_steps).values(run_id=run_id, step=step, policy_version=policy_version,
-                                           loss=loss, metrics=metrics or {},
-                                           n_experiences=len(ids))
-                .returning(train_steps.c.id))).scalar_one()
+            written = (await conn.execute(COMMIT_STEP, params)).scalars().all()
         except IntegrityError as exc:
-            raise StoreError(f"step {step} of run id {run_id} is already committed; "
-                             "nothing was consumed") from exc
-        items = select(
-            literal(step_id, BigInteger),
-            func.unnest(literal(ids, ARRAY(BigInteger))),
-            literal(policy_version),
-            func.unnest(literal(list(weights) if weights is not None else [1.0] * len(ids),
-                                ARRAY(Float))),
-        )
-        await conn.execute(insert(batch_items).from_select(
-            ["train_step_id", "experience_id", "policy_version", "weight"], items))
-    return step_id
+            if "train_steps_run_step" in str(exc.orig):
+                raise StoreError(f"step {step} of run id {run_id} is already committed; "
+                                 "nothing was consumed") from exc
+            raise StoreError(f"step {step} could not be committed; nothing was consumed: "
+                             f"{exc.orig}") from exc
+        if len(written) != len(ids):
+            await conn.rollback()
+            raise LeaseLost(
+                f"step {step}: lease {lease.token} holds {len(written)} of its {len(ids)} rows "
+                "(it expired and was reclaimed); nothing was consumed, lease a new batch")
+    return written[0]

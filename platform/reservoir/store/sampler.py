@@ -10,20 +10,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Sequence
 
 import numpy as np
-from sqlalchemy import and_, case, exists, func, literal, select, update
+from sqlalchemy import and_, case, exists, func, literal, literal_column, select, true, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from reservoir.config import SamplerConfig
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
 from reservoir.store import codec, runs
 from reservoir.store.flow import RateLimit
-from reservoir.store.schema import experiences as e
+from reservoir.store.schema import EXPERIENCE_STATUSES, experiences as e
+from reservoir.store.schema import runs as runs_table
 
 SETTLING = ("raw", "leased")  # a group with a row in these states is not complete yet
 ORDERS = {
@@ -77,9 +77,31 @@ RETURNED = (e.c.id, e.c.run_id, e.c.task_id, e.c.group_id, e.c.policy_version, e
             e.c.logprobs, e.c.action_mask, e.c.leased_until)
 
 
+def status_in(column, statuses: Sequence[str]):
+    """`status IN ('ready', ...)` with the statuses written into the SQL, not bound.
+
+    The partial indexes (WHERE status = 'ready' / 'leased') serve a query only when the planner
+    can see the status; a bound parameter hides it from the generic plan that a prepared
+    statement switches to after five executions. Statuses come from a fixed set, never a user.
+    """
+    unknown = set(statuses) - set(EXPERIENCE_STATUSES)
+    if unknown:
+        raise StoreError(f"unknown experience status {sorted(unknown)}")
+    return column.in_([literal_column(f"'{status}'") for status in statuses])
+
+
 def _eligible(table, flow: SamplerConfig):
-    return and_(table.c.status.in_(flow.sample_from),
+    return and_(status_in(table.c.status, flow.sample_from),
                 table.c.times_sampled < flow.max_times_sampled)
+
+
+def count_sampled(source, sign: int):
+    """A CTE that adds (sign = 1) or takes back (-1) the source CTE's rows in runs.rows_sampled."""
+    per_run = (select(source.c.run_id, func.count().label("n"))
+               .group_by(source.c.run_id).cte("per_run"))
+    return (update(runs_table).where(runs_table.c.id == per_run.c.run_id)
+            .values(rows_sampled=runs_table.c.rows_sampled + sign * per_run.c.n)
+            .returning(runs_table.c.id).cte("counted"))
 
 
 def _version_floor(flow: SamplerConfig, min_policy_version: int | None):
@@ -87,7 +109,7 @@ def _version_floor(flow: SamplerConfig, min_policy_version: int | None):
         return e.c.policy_version >= min_policy_version
     if flow.max_staleness is not None:
         return e.c.policy_version >= runs.latest_version(e.c.run_id) - flow.max_staleness
-    return literal(True)
+    return true()
 
 
 def lease_statement(run_ids: Sequence[int], *, rows: int | None, groups: int | None,
@@ -99,15 +121,18 @@ def lease_statement(run_ids: Sequence[int], *, rows: int | None, groups: int | N
     if rows is not None:
         picked = (select(e.c.id).where(where).order_by(*ORDERS[flow.order]).limit(rows)
                   .with_for_update(skip_locked=True).cte("picked"))
-        return update(e).where(e.c.id == picked.c.id).values(**lease_values).returning(*RETURNED)
+        leased = (update(e).where(e.c.id == picked.c.id).values(**lease_values)
+                  .returning(*RETURNED).cte("leased"))
+        return select(leased).add_cte(count_sampled(leased, 1))
     other = e.alias("other")
     leader = ~exists().where(
         other.c.group_id == e.c.group_id,
-        (other.c.status.in_(SETTLING)) | (and_(other.c.id < e.c.id, _eligible(other, flow))))
+        status_in(other.c.status, SETTLING) | and_(other.c.id < e.c.id, _eligible(other, flow)))
     picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
               .limit(groups).with_for_update(skip_locked=True).cte("picked"))
-    return (update(e).where(e.c.group_id == picked.c.group_id, _eligible(e, flow))
-            .values(**lease_values).returning(*RETURNED))
+    leased = (update(e).where(e.c.group_id == picked.c.group_id, _eligible(e, flow))
+              .values(**lease_values).returning(*RETURNED).cte("leased"))
+    return select(leased).add_cte(count_sampled(leased, 1))
 
 
 def _to_leased(row) -> LeasedExperience:
@@ -128,21 +153,17 @@ def _back_status():
 
 
 async def _give_back(conn: AsyncConnection, where) -> int:
-    stmt = (update(e).where(where)
+    back = (update(e).where(where)
             .values(status=_back_status(), lease_token=None, leased_until=None)
-            .returning(e.c.run_id))
-    returned = Counter((await conn.execute(stmt)).scalars().all())
-    for run_id, n in sorted(returned.items()):
-        await conn.execute(runs.add_sampled(run_id, -n))
-    return sum(returned.values())
+            .returning(e.c.run_id).cte("back"))
+    stmt = select(func.count()).select_from(back).add_cte(count_sampled(back, -1))
+    return (await conn.execute(stmt)).scalar()
 
 
-async def reclaim_expired(conn: AsyncConnection, run_ids: Sequence[int] | None = None) -> int:
-    """Hand back rows whose lease expired; returns how many."""
-    where = and_(e.c.status == "leased", e.c.leased_until < func.now())
-    if run_ids is not None:
-        where = and_(where, e.c.run_id.in_(run_ids))
-    return await _give_back(conn, where)
+async def reclaim_expired(conn: AsyncConnection) -> int:
+    """Hand back rows whose lease expired, in every run; returns how many."""
+    return await _give_back(
+        conn, and_(status_in(e.c.status, ["leased"]), e.c.leased_until < func.now()))
 
 
 async def release(engine: AsyncEngine, lease: Lease) -> int:
@@ -166,10 +187,12 @@ async def renew(engine: AsyncEngine, lease: Lease, seconds: float) -> datetime:
 
 
 async def _check_min_ready(conn: AsyncConnection, run_ids, flow: SamplerConfig) -> None:
-    inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
-    if sampled > 0 or flow.min_ready <= 1:
+    if flow.min_ready <= 1:
         return
-    ready = (select(literal(1)).where(e.c.run_id.in_(run_ids), e.c.status == "ready")
+    inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
+    if sampled > 0:
+        return
+    ready = (select(literal(1)).where(e.c.run_id.in_(run_ids), status_in(e.c.status, ["ready"]))
              .limit(flow.min_ready).subquery())
     n_ready = (await conn.execute(select(func.count()).select_from(ready))).scalar()
     if n_ready < flow.min_ready:
@@ -178,11 +201,12 @@ async def _check_min_ready(conn: AsyncConnection, run_ids, flow: SamplerConfig) 
 
 async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min_policy_version,
                       allow_partial):
-    await reclaim_expired(conn, run_ids)
+    await reclaim_expired(conn)
     limit = None
     if flow.samples_per_insert is not None:
         limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready)
         await conn.execute(runs.lock(list(run_ids)))
+        inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
     await _check_min_ready(conn, run_ids, flow)
     token = uuid.uuid4()
     stmt = lease_statement(run_ids, rows=rows, groups=groups, flow=flow, token=token,
@@ -193,12 +217,9 @@ async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min
     if got == 0 or (got < wanted and not allow_partial):
         raise _NotYet(f"{got} of {wanted} {'rows' if rows is not None else 'groups'} available")
     if limit is not None:
-        inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
         if not limit.can_sample(inserted, sampled, len(leased)):
             raise _NotYet(f"samples_per_insert: inserted {inserted}, sampled {sampled}; "
                           f"trainer is ahead of the explorers")
-    for run_id, n in sorted(Counter(row.run_id for row in leased).items()):
-        await conn.execute(runs.add_sampled(run_id, n))
     leased.sort(key=lambda row: row.id)
     return Lease(token, tuple(run_ids), tuple(_to_leased(row) for row in leased),
                  leased[0].leased_until)

@@ -125,6 +125,8 @@ experiences = Table(
     Index("experiences_group", "group_id", "id"),
     Index("experiences_run_status", "run_id", "status"),
     Index("experiences_task", "task_id"),
+    Index("experiences_lease_token", "lease_token", postgresql_where=text("lease_token IS NOT NULL")),
+    Index("experiences_parent", "parent_id", postgresql_where=text("parent_id IS NOT NULL")),
 )
 
 train_steps = Table(

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import asyncpg
 from sqlalchemy.exc import DBAPIError
@@ -54,49 +54,65 @@ async def write_groups(
     status: Literal["raw", "ready"] = "ready",
     on_invalid: Literal["raise", "skip"] = "raise",
 ) -> WriteResult:
-    """Write groups in one transaction. With on_invalid="skip", bad groups are returned, not raised."""
+    """Write groups in one transaction. With on_invalid="skip", bad groups are returned, not raised.
+
+    Groups are checked and encoded while COPY streams the previous ones to the server, so
+    validation costs little wall time; a bad group in "raise" mode aborts the COPY and the
+    transaction, and nothing of the batch is written.
+    """
     result = WriteResult()
-    run_info = await _lookup_runs(engine, groups)
-    checked: list[_CheckedGroup] = []
+    names = sorted({group[0].run for group in groups if group})
+    if flow.samples_per_insert is not None:
+        run_info = await _lookup_runs(engine, names)
+        await _wait_for_room(engine, _rows_per_run(groups, run_info), flow)
+    rows_per_run: Counter = Counter()
+    try:
+        async with engine.begin() as conn:
+            run_info = {row.name: (row.id, row.group_size)
+                        for row in await conn.execute(runs.lookup(names))}
+            raw = await conn.get_raw_connection()
+            await raw.driver_connection.copy_records_to_table(
+                "experiences", columns=COPY_COLUMNS,
+                records=_records(groups, run_info, status, on_invalid, result, rows_per_run))
+            for run_id, n in sorted(rows_per_run.items()):
+                await conn.execute(runs.add_inserted(run_id, n))
+    except (asyncpg.PostgresError, DBAPIError) as exc:
+        raise StoreError(f"writing {result.rows} rows in {result.groups} groups failed in the "
+                         f"database; nothing of this batch was written: {exc}") from exc
+    return result
+
+
+def _records(groups, run_info, status, on_invalid, result: WriteResult,
+             rows_per_run: Counter) -> Iterator[tuple]:
+    """COPY records of every valid group; invalid ones raise or land in result.rejected."""
     for index, group in enumerate(groups):
         try:
-            checked.append(_check_group(group, index, run_info))
+            checked = _check_group(group, index, run_info)
         except ExperienceInvalid as exc:
             if on_invalid == "raise":
                 raise
             result.rejected.append(exc)
-    if not checked:
-        return result
-    rows_per_run = Counter()
-    for group in checked:
-        rows_per_run[group.run_id] += len(group.rows)
-    await _wait_for_room(engine, rows_per_run, flow)
-    records = [
-        (group.run_id, row.task_id, group.group_id, row.policy_version, row.prompt_text,
-         row.response_text, row.prompt_ids, row.response_ids, row.logprobs, row.action_mask,
-         row.reward, row.reward_components, row.metadata, status, row.parent_id)
-        for group in checked for row in group.rows
-    ]
-    try:
-        async with engine.begin() as conn:
-            for run_id, n in sorted(rows_per_run.items()):  # also opens the transaction COPY joins
-                await conn.execute(runs.add_inserted(run_id, n))
-            raw = await conn.get_raw_connection()
-            await raw.driver_connection.copy_records_to_table(
-                "experiences", records=records, columns=COPY_COLUMNS)
-    except (asyncpg.PostgresError, DBAPIError) as exc:
-        raise StoreError(f"writing {len(records)} rows in {len(checked)} groups failed in the "
-                         f"database; nothing of this batch was written: {exc}") from exc
-    result.groups = len(checked)
-    result.rows = len(records)
-    result.group_ids = [group.group_id for group in checked]
-    return result
+            continue
+        result.groups += 1
+        result.rows += len(checked.rows)
+        result.group_ids.append(checked.group_id)
+        rows_per_run[checked.run_id] += len(checked.rows)
+        for row in checked.rows:
+            yield (checked.run_id, row.task_id, checked.group_id, row.policy_version,
+                   row.prompt_text, row.response_text, row.prompt_ids, row.response_ids,
+                   row.logprobs, row.action_mask, row.reward, row.reward_components,
+                   row.metadata, status, row.parent_id)
 
 
-async def _lookup_runs(engine: AsyncEngine, groups) -> dict[str, tuple[int, int | None]]:
-    names = sorted({group[0].run for group in groups if group})
-    if not names:
-        return {}
+def _rows_per_run(groups, run_info) -> Counter:
+    counts: Counter = Counter()
+    for group in groups:
+        if group and group[0].run in run_info:
+            counts[run_info[group[0].run][0]] += len(group)
+    return counts
+
+
+async def _lookup_runs(engine: AsyncEngine, names: list[str]) -> dict[str, tuple[int, int | None]]:
     async with engine.connect() as conn:
         rows = (await conn.execute(runs.lookup(names))).all()
     return {row.name: (row.id, row.group_size) for row in rows}
@@ -128,6 +144,8 @@ async def _wait_for_room(engine: AsyncEngine, rows_per_run: Counter, flow: Sampl
     limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready)
     n = sum(rows_per_run.values())
     limit.check_insert_size(n)
+    if not rows_per_run:
+        return
     deadline = time.monotonic() + flow.wait_timeout_s
     while True:
         async with engine.connect() as conn:
