@@ -21,6 +21,8 @@ MASK = np.dtype("u1")
 
 
 def encode(values: np.ndarray, dtype: np.dtype) -> bytes:
+    if values.dtype == dtype:  # tobytes() copies in C order whatever the strides
+        return values.tobytes()
     return np.ascontiguousarray(values, dtype=dtype).tobytes()
 
 

@@ -6,6 +6,7 @@ A group is all responses to one task from one policy version: the unit that grou
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
@@ -65,8 +66,25 @@ class EncodedRow:
     parent_id: int | None
 
 
+_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
+@dataclass(slots=True)
+class _Shaped:
+    """A row whose structure was checked; its values are checked a whole group at a time."""
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray | None
+    action_mask: np.ndarray | None
+    reward_components: str
+    metadata: str
+
+
 class _RowChecker:
     """Raises ExperienceInvalid naming the group, row, field and value."""
+
+    __slots__ = ("group_index", "row_index", "exp")
 
     def __init__(self, group_index: int, row_index: int, exp: Experience):
         self.group_index, self.row_index, self.exp = group_index, row_index, exp
@@ -85,12 +103,10 @@ class _RowChecker:
 
     def tokens(self, field_name: str, values: Any, *, non_empty: bool) -> np.ndarray:
         array = np.asarray(values)
-        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
             self.fail(field_name, values, "must be a flat sequence of integer token ids")
         if non_empty and array.size == 0:
             self.fail(field_name, values, "must not be empty")
-        if array.size and (array.min() < 0 or array.max() > INT32_MAX):
-            self.fail(field_name, values, "token ids must lie in [0, 2**31)")
         return array
 
     def per_token(self, field_name: str, values: Any, n_tokens: int, kind: str) -> np.ndarray | None:
@@ -107,28 +123,38 @@ class _RowChecker:
         return array
 
     def json_text(self, field_name: str, value: Any) -> str:
+        if not value and isinstance(value, dict):
+            return "{}"
         try:
-            return json.dumps(value, allow_nan=False)
+            return _JSON.encode(value)
         except (TypeError, ValueError) as exc:
             self.fail(field_name, value, f"must be JSON without NaN or infinity ({exc})")
 
+    def values(self, row: _Shaped) -> None:
+        """The value checks, row by row: run only to find the row a group check rejected."""
+        for name in ("prompt_ids", "response_ids"):
+            array = getattr(row, name)
+            if array.size and (array.min() < 0 or array.max() > INT32_MAX):
+                self.fail(name, getattr(self.exp, name), "token ids must lie in [0, 2**31)")
+        if row.logprobs is not None and not np.isfinite(row.logprobs).all():
+            self.fail("logprobs", self.exp.logprobs, "logprobs must be finite")
+        if row.action_mask is not None and ((row.action_mask != 0) & (row.action_mask != 1)).any():
+            self.fail("action_mask", self.exp.action_mask, "mask values must be 0 or 1")
+
 
 def _finite_number(value: Any) -> bool:
+    if type(value) is float:  # the common case, without the slower ABC check below
+        return math.isfinite(value)
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def encode_row(exp: Experience, group_index: int, row_index: int) -> EncodedRow:
-    check = _RowChecker(group_index, row_index, exp)
+def _shape_row(exp: Experience, check: _RowChecker) -> _Shaped:
     if not exp.response_text or not exp.response_text.strip():
         check.fail("response_text", exp.response_text, "the response must not be empty")
     prompt_ids = check.tokens("prompt_ids", exp.prompt_ids, non_empty=False)
     response_ids = check.tokens("response_ids", exp.response_ids, non_empty=True)
     logprobs = check.per_token("logprobs", exp.logprobs, response_ids.size, "f")
-    if logprobs is not None and not np.isfinite(logprobs).all():
-        check.fail("logprobs", exp.logprobs, "logprobs must be finite")
     mask = check.per_token("action_mask", exp.action_mask, response_ids.size, "i")
-    if mask is not None and ((mask != 0) & (mask != 1)).any():
-        check.fail("action_mask", exp.action_mask, "mask values must be 0 or 1")
     if not _finite_number(exp.reward):
         check.fail("reward", exp.reward, "reward must be a finite number")
     for name, value in exp.reward_components.items():
@@ -136,21 +162,62 @@ def encode_row(exp: Experience, group_index: int, row_index: int) -> EncodedRow:
             check.fail(f"reward_components.{name}", value, "components must be finite numbers")
     if not isinstance(exp.policy_version, numbers.Integral) or not 0 <= exp.policy_version <= INT32_MAX:
         check.fail("policy_version", exp.policy_version, "must be an integer in [0, 2**31)")
-    return EncodedRow(
-        task_id=exp.task_id,
-        policy_version=int(exp.policy_version),
-        prompt_text=exp.prompt_text,
-        response_text=exp.response_text,
-        prompt_ids=codec.encode(prompt_ids, codec.TOKEN),
-        response_ids=codec.encode(response_ids, codec.TOKEN),
-        logprobs=None if logprobs is None else codec.encode(logprobs, codec.LOGPROB),
-        action_mask=None if mask is None else codec.encode(mask, codec.MASK),
-        reward=float(exp.reward),
-        reward_components=check.json_text(
-            "reward_components", {name: float(v) for name, v in exp.reward_components.items()}),
-        metadata=check.json_text("metadata", exp.metadata),
-        parent_id=exp.parent_id,
-    )
+    return _Shaped(prompt_ids, response_ids, logprobs, mask,
+                   _components_json(exp.reward_components),
+                   check.json_text("metadata", exp.metadata))
+
+
+@functools.lru_cache(maxsize=4096)
+def _json_key(name: str) -> str:
+    return _JSON.encode(str(name))
+
+
+def _components_json(components: dict[str, float]) -> str:
+    """JSON of checked-finite components; keys repeat from row to row, so their text is cached."""
+    return "{" + ",".join(f"{_json_key(k)}:{float(v)!r}" for k, v in components.items()) + "}"
+
+
+def _values_ok(rows: list[_Shaped]) -> bool:
+    """Token ranges, finite logprobs and 0/1 masks of a whole group, in a few array passes."""
+    tokens = np.concatenate([a for row in rows for a in (row.prompt_ids, row.response_ids)])
+    if tokens.size and (tokens.min() < 0 or (tokens.dtype != np.int32 and tokens.max() > INT32_MAX)):
+        return False
+    logprobs = [row.logprobs for row in rows if row.logprobs is not None]
+    # a sum is finite only if every term is (a float64 sum of log-probabilities cannot overflow)
+    if logprobs and not math.isfinite(float(np.concatenate(logprobs).sum(dtype=np.float64))):
+        return False
+    masks = [row.action_mask for row in rows if row.action_mask is not None]
+    if masks:
+        mask = np.concatenate(masks)
+        if mask.size and (mask.max() > 1 or (mask.dtype.kind == "i" and mask.min() < 0)):
+            return False
+    return True
+
+
+def encode_group(group: Sequence[Experience], group_index: int) -> list[EncodedRow]:
+    """Check a group and convert it to column values; raises ExperienceInvalid on a bad row."""
+    checkers = [_RowChecker(group_index, i, exp) for i, exp in enumerate(group)]
+    shaped = [_shape_row(exp, check) for exp, check in zip(group, checkers)]
+    if not _values_ok(shaped):
+        for row, check in zip(shaped, checkers):
+            check.values(row)
+    return [
+        EncodedRow(
+            task_id=exp.task_id,
+            policy_version=int(exp.policy_version),
+            prompt_text=exp.prompt_text,
+            response_text=exp.response_text,
+            prompt_ids=codec.encode(row.prompt_ids, codec.TOKEN),
+            response_ids=codec.encode(row.response_ids, codec.TOKEN),
+            logprobs=None if row.logprobs is None else codec.encode(row.logprobs, codec.LOGPROB),
+            action_mask=None if row.action_mask is None else codec.encode(row.action_mask, codec.MASK),
+            reward=float(exp.reward),
+            reward_components=row.reward_components,
+            metadata=row.metadata,
+            parent_id=exp.parent_id,
+        )
+        for exp, row in zip(group, shaped)
+    ]
 
 
 def check_group_shape(group: Sequence[Experience], group_index: int) -> None:

@@ -22,7 +22,7 @@ from reservoir.config import SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
 from reservoir.store import runs
 from reservoir.store.flow import RateLimit
-from reservoir.store.records import EncodedRow, Experience, check_group_shape, encode_row
+from reservoir.store.records import EncodedRow, Experience, check_group_shape, encode_group
 
 COPY_COLUMNS = (
     "run_id", "task_id", "group_id", "policy_version", "prompt_text", "response_text",
@@ -133,8 +133,7 @@ def _check_group(group: Sequence[Experience], index: int,
             f"group {index}: {len(group)} rows, but run {first.run!r} declares group_size "
             f"{group_size}; nothing of this group was written",
             group_index=index, row_index=None, field="group_size")
-    rows = [encode_row(exp, index, row_index) for row_index, exp in enumerate(group)]
-    return _CheckedGroup(run_id, first.group_id or uuid.uuid4(), rows)
+    return _CheckedGroup(run_id, first.group_id or uuid.uuid4(), encode_group(group, index))
 
 
 async def _wait_for_room(engine: AsyncEngine, rows_per_run: Counter, flow: SamplerConfig) -> None:
