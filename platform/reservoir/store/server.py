@@ -49,8 +49,8 @@ def start(data_dir: Path) -> str:
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     pgserver = _pgserver()
     lock = _lock(data_dir)
-    info = pgserver.utils.PostmasterInfo.read_from_pgdata(data_dir)
-    if info is None or not info.is_running():
+    info = _running_info(data_dir, lock)
+    if info is None:
         pgserver.PostgresServer._lock = lock
         try:
             info = pgserver.get_server(data_dir, cleanup_mode=None).get_postmaster_info()
@@ -84,9 +84,20 @@ def _ensure_database(admin_url: str) -> None:
         conn.close()
 
 
+def _running_info(data_dir: Path, lock: fasteners.InterProcessLock):
+    """The running server's postmaster info, or None.
+
+    Read under the lock: while another process runs initdb or pg_ctl (holding it),
+    postmaster.pid is half-written and the wheel's parser fails on it.
+    """
+    with lock:
+        info = _pgserver().utils.PostmasterInfo.read_from_pgdata(data_dir)
+    return info if info is not None and info.is_running() else None
+
+
 def is_running(data_dir: Path) -> bool:
-    info = _pgserver().utils.PostmasterInfo.read_from_pgdata(Path(data_dir).resolve())
-    return info is not None and info.is_running()
+    data_dir = Path(data_dir).expanduser().resolve()
+    return data_dir.exists() and _running_info(data_dir, _lock(data_dir)) is not None
 
 
 def stop(data_dir: Path) -> bool:

@@ -1,0 +1,143 @@
+"""Acceptance tests: the real `reservoir` command in a subprocess, against a test database."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from reservoir.store import migrate
+from reservoir.store.engine import sync_engine
+
+RESERVOIR = Path(sys.executable).with_name("reservoir")
+
+
+def reservoir(*args: str, url: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RESERVOIR_DB_URL": url, "COLUMNS": "200"}
+    return subprocess.run([str(RESERVOIR), *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def scalar(url: str, sql: str):
+    engine = sync_engine(url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text(sql)).scalar()
+    finally:
+        engine.dispose()
+
+
+def key_values(out: str) -> dict[str, str]:
+    """The two-column tables `inspect` prints, as a dict."""
+    rows = ([cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines())
+    return {row[0]: row[1] for row in rows if len(row) == 2}
+
+
+@pytest.fixture
+def cli(db_url, tmp_path):
+    """`reservoir ...` on a fresh database at head; fails the test on a non-zero exit."""
+
+    def run(*args: str) -> str:
+        result = reservoir(*args, url=db_url, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    run.url = db_url
+    run.raw = lambda *args: reservoir(*args, url=db_url, cwd=tmp_path)
+    return run
+
+
+@pytest.fixture
+def two_runs(cli):
+    engine = sync_engine(cli.url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (name, group_size) VALUES ('a', 4), ('b', 8)"))
+    engine.dispose()
+    return cli
+
+
+def test_db_upgrade_on_an_empty_database_then_already_at(new_database, tmp_path):
+    url, head = new_database(), migrate.head_revision()
+    first = reservoir("db", "upgrade", url=url, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert f"upgraded from empty to revision {head}" in first.stdout
+    second = reservoir("db", "upgrade", url=url, cwd=tmp_path)
+    assert f"already at revision {head}" in second.stdout
+
+
+def test_db_status_shows_the_revision(cli):
+    out = cli("db", "status")
+    head = migrate.head_revision()
+    assert f"{head} (code expects {head})" in out and "up to date" in out
+
+
+def test_db_url_hides_the_password(tmp_path):
+    url = "postgresql://alice:s3cret@db.example:5432/store"
+    hidden = reservoir("db", "url", url=url, cwd=tmp_path)
+    assert hidden.returncode == 0, hidden.stderr
+    assert hidden.stdout.strip() == "postgresql://alice:***@db.example:5432/store"
+    shown = reservoir("db", "url", "--show-password", url=url, cwd=tmp_path)
+    assert shown.stdout.strip() == url
+
+
+def test_demo_then_inspect_run_and_experience(cli):
+    cli("demo", "store", "--groups", "50", "--steps", "2", "--groups-per-step", "4")
+    assert scalar(cli.url, "SELECT count(*) FROM train_steps") == 2
+    assert scalar(cli.url, "SELECT count(*) FROM experiences WHERE status = 'consumed'") == 64
+
+    run = cli("inspect", "run", "quickstart")
+    assert "run quickstart" in run and "recent train steps" in run
+    fields = key_values(run)
+    assert (fields["consumed"], fields["ready"], fields["last_step"]) == ("64", "336", "2")
+
+    experience = cli("inspect", "experience", "1")
+    assert "lineage" in experience
+    fields = key_values(experience)
+    assert (fields["run"], fields["status"], fields["consumed_step"]) == ("quickstart", "consumed", "1")
+    assert "synthetic://v1" in experience  # trained at step 1, first published in version 1
+
+
+def test_sql_formats(two_runs):
+    query = "SELECT name, group_size FROM runs ORDER BY name"
+    assert two_runs("sql", query, "--format", "csv").splitlines() == [
+        "name,group_size", "a,4", "b,8"]
+    assert json.loads(two_runs("sql", query, "--format", "json")) == [
+        {"name": "a", "group_size": 4}, {"name": "b", "group_size": 8}]
+    table = two_runs("sql", query).splitlines()
+    assert any("name" in line and "group_size" in line for line in table)
+    assert any("a" in line and "4" in line for line in table)
+    assert any("b" in line and "8" in line for line in table)
+
+
+def test_sql_param_binds(two_runs):
+    out = two_runs("sql", "SELECT group_size FROM runs WHERE name = :name", "-p", "name=b",
+                   "-f", "csv")
+    assert out.splitlines() == ["group_size", "8"]
+
+
+def test_sql_is_read_only_unless_write(two_runs):
+    refused = two_runs.raw("sql", "DELETE FROM runs")
+    assert refused.returncode == 1
+    assert "read-only transaction" in refused.stderr and "Traceback" not in refused.stderr
+    assert scalar(two_runs.url, "SELECT count(*) FROM runs") == 2
+    assert "2 rows affected" in two_runs("sql", "DELETE FROM runs", "--write")
+    assert scalar(two_runs.url, "SELECT count(*) FROM runs") == 0
+
+
+def test_config_with_an_unknown_key_names_it(cli, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("store:\n  urll: postgresql://x@y/z\n")
+    result = cli.raw("db", "url", "-c", str(config))
+    assert result.returncode == 1
+    assert "store.urll: unknown key; did you mean 'url'?" in result.stderr
+
+
+def test_inspect_an_unknown_run_fails_clearly(cli):
+    result = cli.raw("inspect", "run", "nosuch")
+    assert result.returncode == 1
+    assert "run 'nosuch' does not exist" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,141 @@
+"""Migrations: upgrade from empty, idempotence, downgrade and back, agreement with the declared
+schema, first-use upgrade, refusal of an old schema, and two processes upgrading at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, text
+
+from reservoir.config import ReservoirConfig, StoreConfig
+from reservoir.errors import SchemaOutOfDate
+from reservoir.store import Store, migrate
+from reservoir.store.engine import sync_engine
+from reservoir.store.schema import metadata
+
+CORE_TABLES = {"runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items"}
+VIEWS = {"experiences", "experience_tokens", "run_steps", "lineage", "runs"}
+
+
+@pytest.fixture
+def engines():
+    """sync_engine(url), disposed after the test."""
+    made = []
+
+    def make(url: str):
+        made.append(sync_engine(url))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.dispose()
+
+
+def tables(engine) -> set[str]:
+    return set(inspect(engine).get_table_names())
+
+
+def analytics_views(engine) -> set[str]:
+    found = inspect(engine)
+    return set(found.get_view_names(schema="analytics")) if found.has_schema("analytics") else set()
+
+
+def test_upgrade_empty_database_to_head_then_again_is_a_no_op(new_database, engines):
+    engine = engines(new_database())
+    assert migrate.current_revision(engine) is None
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    assert CORE_TABLES <= tables(engine) and analytics_views(engine) == VIEWS
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+
+
+def test_downgrade_last_step_drops_analytics_keeps_core_then_upgrade_restores(db_url, engines):
+    engine = engines(db_url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (name) VALUES ('kept')"))
+    migrate.downgrade(engine, "0001")
+    assert migrate.current_revision(engine) == "0001"
+    assert not inspect(engine).has_schema("analytics")
+    assert CORE_TABLES <= tables(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT name FROM runs")).scalars().all() == ["kept"]
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    assert analytics_views(engine) == VIEWS
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT run FROM analytics.runs")).scalars().all() == ["kept"]
+
+
+def test_every_revision_downgrades_to_base_and_upgrades_again(db_url, engines):
+    engine = engines(db_url)
+    migrate.downgrade(engine, "base")
+    assert migrate.current_revision(engine) is None
+    assert tables(engine) <= {"alembic_version"} and not inspect(engine).has_schema("analytics")
+    migrate.upgrade(engine)
+    assert CORE_TABLES <= tables(engine) and analytics_views(engine) == VIEWS
+
+
+def _only_declared_objects(obj, name, type_, reflected, compare_to) -> bool:
+    if type_ == "table" and name == "alembic_version":
+        return False
+    return getattr(obj, "schema", None) != "analytics"
+
+
+def test_database_built_from_migrations_matches_declared_schema(db_url, engines):
+    with engines(db_url).connect() as conn:
+        context = MigrationContext.configure(conn, opts={
+            "compare_type": True, "compare_server_default": True,
+            "include_object": _only_declared_objects})
+        diff = compare_metadata(context, metadata)
+    print("\n".join(map(repr, diff)))
+    assert diff == []
+
+
+def test_store_open_upgrades_an_empty_database_and_says_so(new_database, engines, capsys):
+    url = new_database()
+    store = Store.open(ReservoirConfig(store=StoreConfig(url=url)))
+    store.close()
+    assert migrate.current_revision(engines(url)) == migrate.head_revision()
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"upgraded its schema to revision {migrate.head_revision()}" in err
+
+
+def test_ensure_schema_refuses_an_older_revision(new_database, engines):
+    engine = engines(new_database())
+    migrate.upgrade(engine, "0001")
+    with pytest.raises(SchemaOutOfDate, match=rf"revision 0001.*needs {migrate.head_revision()}"):
+        migrate.ensure_schema(engine)
+    assert migrate.current_revision(engine) == "0001"
+
+
+ENSURE_SCHEMA = """
+import sys, time
+from reservoir.store import migrate
+from reservoir.store.engine import sync_engine
+engine = sync_engine(sys.argv[1])
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+print(migrate.ensure_schema(engine))
+"""
+
+
+def test_two_processes_upgrade_the_same_empty_database_once(new_database, engines):
+    url = new_database()
+    start_at = str(time.time() + 3)  # both processes import first, then race from the same instant
+    procs = [subprocess.Popen([sys.executable, "-c", ENSURE_SCHEMA, url, start_at],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [proc.communicate(timeout=60) for proc in procs]
+    for proc, (out, err) in zip(procs, results):
+        assert proc.returncode == 0, err
+        assert out.strip() in (migrate.head_revision(), "None")
+    engine = engines(url)
+    with engine.connect() as conn:
+        versions = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+    assert versions == [migrate.head_revision()]
+    assert analytics_views(engine) == VIEWS
