@@ -98,7 +98,7 @@ def test_consumed_rows_need_max_times_sampled_above_one(write):
     assert "sampler:" in message and "max_times_sampled is 1" in message
     config = load_config(write("sampler:\n  sample_from: [ready, consumed]\n"
                                "  max_times_sampled: 2\n"))
-    assert config.sampler.sample_from == ["ready", "consumed"]
+    assert config.sampler.sample_from == ("ready", "consumed")
 
 
 def test_resolved_url_prefers_store_url_over_environment(monkeypatch):

@@ -20,7 +20,7 @@ DB_URL_ENV = "RESERVOIR_DB_URL"
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class StoreConfig(Section):
@@ -45,7 +45,7 @@ class SamplerConfig(Section):
 
     unit: Literal["rows", "groups"] = "groups"
     order: Literal["fifo", "lifo", "priority", "uniform"] = "fifo"
-    sample_from: list[Literal["ready", "consumed"]] = ["ready"]
+    sample_from: tuple[Literal["ready", "consumed"], ...] = ("ready",)
     lease_seconds: float = Field(default=300.0, gt=0)
     max_staleness: int | None = Field(default=None, ge=0)
     max_times_sampled: int = Field(default=1, ge=1)

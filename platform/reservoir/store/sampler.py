@@ -8,6 +8,8 @@ reclaimed by the next lease call, so a trainer killed while holding one loses no
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,7 +17,9 @@ from datetime import datetime, timedelta
 from typing import Sequence
 
 import numpy as np
-from sqlalchemy import and_, case, exists, func, literal, literal_column, select, true, update
+from sqlalchemy import (Interval, Text, and_, bindparam, case, exists, func, literal,
+                        literal_column, select, true, update)
+from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from reservoir.config import SamplerConfig
@@ -26,9 +30,12 @@ from reservoir.store.schema import EXPERIENCE_STATUSES, experiences as e
 from reservoir.store.schema import runs as runs_table
 
 SETTLING = ("raw", "leased")  # a group with a row in these states is not complete yet
+# fifo / lifo order by insertion time, then id: only the partial index experiences_ready
+# (run_id, created_at, id) WHERE status = 'ready' serves that order, so the planner cannot pick
+# a primary-key scan that walks every consumed row ahead of the ready ones.
 ORDERS = {
-    "fifo": (e.c.id.asc(),),
-    "lifo": (e.c.id.desc(),),
+    "fifo": (e.c.created_at.asc(), e.c.id.asc()),
+    "lifo": (e.c.created_at.desc(), e.c.id.desc()),
     "priority": (e.c.priority.desc(), e.c.id.asc()),
     "uniform": (func.random(),),
 }
@@ -36,18 +43,41 @@ ORDERS = {
 
 @dataclass(frozen=True, slots=True)
 class LeasedExperience:
+    """One leased row. Arrays and reward components are decoded when first read (numpy views
+    over the bytes the server sent), so a lease costs no more than the columns it carries."""
+
     id: int
     run_id: int
     task_id: int | None
     group_id: uuid.UUID
     policy_version: int
     reward: float
-    reward_components: dict
+    reward_components_json: str
     times_sampled: int
-    prompt_ids: np.ndarray
-    response_ids: np.ndarray
-    logprobs: np.ndarray | None
-    action_mask: np.ndarray | None
+    prompt_bytes: bytes
+    response_bytes: bytes
+    logprob_bytes: bytes | None
+    mask_bytes: bytes | None
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return codec.decode(self.prompt_bytes, codec.TOKEN)
+
+    @property
+    def response_ids(self) -> np.ndarray:
+        return codec.decode(self.response_bytes, codec.TOKEN)
+
+    @property
+    def logprobs(self) -> np.ndarray | None:
+        return codec.decode(self.logprob_bytes, codec.LOGPROB)
+
+    @property
+    def action_mask(self) -> np.ndarray | None:
+        return codec.decode(self.mask_bytes, codec.MASK)
+
+    @property
+    def reward_components(self) -> dict[str, float]:
+        return json.loads(self.reward_components_json)
 
 
 @dataclass(frozen=True)
@@ -73,8 +103,8 @@ class _NotYet(Exception):
 
 
 RETURNED = (e.c.id, e.c.run_id, e.c.task_id, e.c.group_id, e.c.policy_version, e.c.reward,
-            e.c.reward_components, e.c.times_sampled, e.c.prompt_ids, e.c.response_ids,
-            e.c.logprobs, e.c.action_mask, e.c.leased_until)
+            e.c.reward_components.cast(Text).label("reward_components"), e.c.times_sampled,
+            e.c.prompt_ids, e.c.response_ids, e.c.logprobs, e.c.action_mask, e.c.leased_until)
 
 
 def status_in(column, statuses: Sequence[str]):
@@ -104,23 +134,28 @@ def count_sampled(source, sign: int):
             .returning(runs_table.c.id).cte("counted"))
 
 
-def _version_floor(flow: SamplerConfig, min_policy_version: int | None):
-    if min_policy_version is not None:
-        return e.c.policy_version >= min_policy_version
+def _version_floor(flow: SamplerConfig, explicit_floor: bool):
+    if explicit_floor:
+        return e.c.policy_version >= bindparam("min_version")
     if flow.max_staleness is not None:
         return e.c.policy_version >= runs.latest_version(e.c.run_id) - flow.max_staleness
     return true()
 
 
-def lease_statement(run_ids: Sequence[int], *, rows: int | None, groups: int | None,
-                    flow: SamplerConfig, token: uuid.UUID, min_policy_version: int | None):
-    where = and_(e.c.run_id.in_(run_ids), _eligible(e, flow),
-                 _version_floor(flow, min_policy_version))
-    lease_values = dict(status="leased", lease_token=token,
-                        leased_until=func.now() + timedelta(seconds=flow.lease_seconds))
-    if rows is not None:
-        picked = (select(e.c.id).where(where).order_by(*ORDERS[flow.order]).limit(rows)
-                  .with_for_update(skip_locked=True).cte("picked"))
+@functools.lru_cache(maxsize=256)
+def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
+    """The lease statement for a unit ("rows" or "groups") and flow settings, built once.
+
+    Bound at execution: run_ids, n (rows or groups), token, lease_for (an interval) and, with
+    explicit_floor, min_version.
+    """
+    where = and_(e.c.run_id.in_(bindparam("run_ids", expanding=True)), _eligible(e, flow),
+                 _version_floor(flow, explicit_floor))
+    lease_values = dict(status="leased", lease_token=bindparam("token", type_=UUID(as_uuid=True)),
+                        leased_until=func.now() + bindparam("lease_for", type_=Interval))
+    if unit == "rows":
+        picked = (select(e.c.id).where(where).order_by(*ORDERS[flow.order])
+                  .limit(bindparam("n")).with_for_update(skip_locked=True).cte("picked"))
         leased = (update(e).where(e.c.id == picked.c.id).values(**lease_values)
                   .returning(*RETURNED).cte("leased"))
         return select(leased).add_cte(count_sampled(leased, 1))
@@ -129,22 +164,14 @@ def lease_statement(run_ids: Sequence[int], *, rows: int | None, groups: int | N
         other.c.group_id == e.c.group_id,
         status_in(other.c.status, SETTLING) | and_(other.c.id < e.c.id, _eligible(other, flow)))
     picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
-              .limit(groups).with_for_update(skip_locked=True).cte("picked"))
+              .limit(bindparam("n")).with_for_update(skip_locked=True).cte("picked"))
     leased = (update(e).where(e.c.group_id == picked.c.group_id, _eligible(e, flow))
               .values(**lease_values).returning(*RETURNED).cte("leased"))
     return select(leased).add_cte(count_sampled(leased, 1))
 
 
 def _to_leased(row) -> LeasedExperience:
-    return LeasedExperience(
-        id=row.id, run_id=row.run_id, task_id=row.task_id, group_id=row.group_id,
-        policy_version=row.policy_version, reward=row.reward,
-        reward_components=row.reward_components, times_sampled=row.times_sampled,
-        prompt_ids=codec.decode(row.prompt_ids, codec.TOKEN),
-        response_ids=codec.decode(row.response_ids, codec.TOKEN),
-        logprobs=codec.decode(row.logprobs, codec.LOGPROB),
-        action_mask=codec.decode(row.action_mask, codec.MASK),
-    )
+    return LeasedExperience(*row[:12])
 
 
 def _back_status():
@@ -152,24 +179,36 @@ def _back_status():
     return case((e.c.times_sampled == 0, "ready"), else_="consumed")
 
 
-async def _give_back(conn: AsyncConnection, where) -> int:
+def _give_back_statement(where):
+    """Statement: rows matching `where` leave their lease (counters follow); returns the count."""
     back = (update(e).where(where)
             .values(status=_back_status(), lease_token=None, leased_until=None)
             .returning(e.c.run_id).cte("back"))
-    stmt = select(func.count()).select_from(back).add_cte(count_sampled(back, -1))
-    return (await conn.execute(stmt)).scalar()
+    return select(func.count()).select_from(back).add_cte(count_sampled(back, -1))
 
 
-async def reclaim_expired(conn: AsyncConnection) -> int:
-    """Hand back rows whose lease expired, in every run; returns how many."""
-    return await _give_back(
-        conn, and_(status_in(e.c.status, ["leased"]), e.c.leased_until < func.now()))
+# Built once: constructing a statement with CTEs costs SQLAlchemy about a millisecond.
+RECLAIM = _give_back_statement(e.c.id.in_(
+    select(e.c.id)
+    .where(status_in(e.c.status, ["leased"]), e.c.leased_until < func.now())
+    .order_by(e.c.leased_until).limit(bindparam("limit"))
+    .with_for_update(skip_locked=True).scalar_subquery()))
+RELEASE = _give_back_statement(e.c.lease_token == bindparam("token", type_=UUID(as_uuid=True)))
+
+
+async def reclaim_expired(conn: AsyncConnection, limit: int = 10_000) -> int:
+    """Hand back rows whose lease expired, in every run (up to `limit` a call); returns how many.
+
+    Ordering by leased_until steers the planner to the partial index experiences_leased, so
+    the check costs one index probe however many rows are leased and not yet expired.
+    """
+    return (await conn.execute(RECLAIM, {"limit": limit})).scalar()
 
 
 async def release(engine: AsyncEngine, lease: Lease) -> int:
     """Hand a lease's rows back unconsumed; returns how many were still held."""
     async with engine.begin() as conn:
-        return await _give_back(conn, e.c.lease_token == lease.token)
+        return (await conn.execute(RELEASE, {"token": lease.token})).scalar()
 
 
 async def renew(engine: AsyncEngine, lease: Lease, seconds: float) -> datetime:
@@ -209,9 +248,13 @@ async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min
         inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
     await _check_min_ready(conn, run_ids, flow)
     token = uuid.uuid4()
-    stmt = lease_statement(run_ids, rows=rows, groups=groups, flow=flow, token=token,
-                           min_policy_version=min_policy_version)
-    leased = (await conn.execute(stmt)).all()
+    stmt = lease_statement("rows" if rows is not None else "groups", flow,
+                           min_policy_version is not None)
+    params = dict(run_ids=list(run_ids), n=rows or groups, token=token,
+                  lease_for=timedelta(seconds=flow.lease_seconds))
+    if min_policy_version is not None:
+        params["min_version"] = min_policy_version
+    leased = (await conn.execute(stmt, params)).all()
     got = len(leased) if rows is not None else len({row.group_id for row in leased})
     wanted = rows if rows is not None else groups
     if got == 0 or (got < wanted and not allow_partial):

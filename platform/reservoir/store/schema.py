@@ -113,7 +113,7 @@ experiences = Table(
     CheckConstraint(
         "(status = 'leased') = (lease_token IS NOT NULL)", name="experiences_lease_iff_leased"
     ),
-    Index("experiences_ready", "run_id", "id", postgresql_where=text("status = 'ready'")),
+    Index("experiences_ready", "run_id", "created_at", "id", postgresql_where=text("status = 'ready'")),
     Index(
         "experiences_ready_priority",
         "run_id",
