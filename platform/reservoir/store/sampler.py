@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from typing import Sequence
 
 import numpy as np
-from sqlalchemy import (Interval, Text, and_, bindparam, case, exists, func, literal,
+from sqlalchemy import (BigInteger, Integer, Interval, Text, and_, bindparam, case, exists, func, literal,
                         literal_column, select, true, update)
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -136,7 +136,7 @@ def count_sampled(source, sign: int):
 
 def _version_floor(flow: SamplerConfig, explicit_floor: bool):
     if explicit_floor:
-        return e.c.policy_version >= bindparam("min_version")
+        return e.c.policy_version >= bindparam("min_version", type_=Integer)
     if flow.max_staleness is not None:
         return e.c.policy_version >= runs.latest_version(e.c.run_id) - flow.max_staleness
     return true()
@@ -149,13 +149,13 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
     Bound at execution: run_ids, n (rows or groups), token, lease_for (an interval) and, with
     explicit_floor, min_version.
     """
-    where = and_(e.c.run_id.in_(bindparam("run_ids", expanding=True)), _eligible(e, flow),
+    where = and_(e.c.run_id.in_(bindparam("run_ids", type_=BigInteger, expanding=True)), _eligible(e, flow),
                  _version_floor(flow, explicit_floor))
     lease_values = dict(status="leased", lease_token=bindparam("token", type_=UUID(as_uuid=True)),
                         leased_until=func.now() + bindparam("lease_for", type_=Interval))
     if unit == "rows":
         picked = (select(e.c.id).where(where).order_by(*ORDERS[flow.order])
-                  .limit(bindparam("n")).with_for_update(skip_locked=True).cte("picked"))
+                  .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
         leased = (update(e).where(e.c.id == picked.c.id).values(**lease_values)
                   .returning(*RETURNED).cte("leased"))
         return select(leased).add_cte(count_sampled(leased, 1))
@@ -164,7 +164,7 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
         other.c.group_id == e.c.group_id,
         status_in(other.c.status, SETTLING) | and_(other.c.id < e.c.id, _eligible(other, flow)))
     picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
-              .limit(bindparam("n")).with_for_update(skip_locked=True).cte("picked"))
+              .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
     leased = (update(e).where(e.c.group_id == picked.c.group_id, _eligible(e, flow))
               .values(**lease_values).returning(*RETURNED).cte("leased"))
     return select(leased).add_cte(count_sampled(leased, 1))

@@ -1,0 +1,581 @@
+"""Reservoir's store against bare asyncpg on the same PostgreSQL, measured in the same run.
+
+What is compared (rows/s, and the ratio Reservoir / bare; the target is >= 0.8 for both):
+
+(a) write: `Store.write_groups` of `Experience` objects (numpy arrays, as an explorer hands them
+    over) against asyncpg's binary `copy_records_to_table` of identical rows.
+(b) lease+commit: `Store.lease(run, rows=B)` + `Store.commit_step(...)` against a bare loop of
+    `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING ...`, one statement
+    (one transaction) per batch, returning the columns the sampler returns. A third line, the
+    lease part of the same loop timed on its own, shows how much of the gap is the lease and how
+    much the step commit (which the bare loop does not do). The server's plans for both sides'
+    statements are printed too: they decide most of the absolute figures.
+
+Why it is fair:
+- Both sides write to the same server and database, into tables of the same shape: the bare
+  table is `LIKE experiences INCLUDING ALL` (columns, generated columns, STORAGE EXTERNAL, CHECK
+  constraints, indexes) plus the same foreign keys and its own id sequence; the script checks
+  the catalog and stops if anything differs.
+- The rows are identical (one seeded pool; the first row of each table is compared byte for
+  byte), and both sides send the same number of rows per call (COPY or write_groups).
+- The bare COPY gets its rows pre-encoded (bytes, JSON text) before timing: the baseline is the
+  driver and server cost alone; Reservoir's validation and encoding count against Reservoir.
+- The bare lease filters on `run_id` and `status = 'ready'` and orders by id, like the
+  sampler's FIFO lease of rows, so the same indexes can serve both; the plans are printed.
+- The sides alternate which goes first in every repeat, and every lease repeat starts with both
+  tables holding the same number of ready rows; the figure reported is the median of repeats.
+
+    python bench/store.py --url postgresql://postgres@127.0.0.1:5432/bench_store
+    python bench/store.py            # embedded server under ./.reservoir/pg
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import uuid
+from datetime import timedelta
+from dataclasses import dataclass, field
+from itertools import count
+
+import asyncpg
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import make_url
+
+from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
+from reservoir.store import Experience, Store, codec, ledger
+from reservoir.store.engine import redact
+from reservoir.store.sampler import lease_statement
+from reservoir.store.writer import COPY_COLUMNS
+
+BARE = "bench_bare_experiences"
+BARE_STEPS, BARE_ITEMS = "bench_bare_train_steps", "bench_bare_batch_items"
+TOKENS = 256
+VOCAB = 32_000
+TARGET = 0.8
+RETURNED = ("id, run_id, task_id, group_id, policy_version, reward, reward_components, "
+            "times_sampled, prompt_ids, response_ids, logprobs, action_mask, leased_until")
+console = Console(width=None if sys.stdout.isatty() else 120)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="PostgreSQL URL (default: RESERVOIR_DB_URL, else embedded)")
+    p.add_argument("--rows", type=int, default=200_000,
+                   help="ready rows in each table before the lease measurement")
+    p.add_argument("--write-rows", type=int, default=50_000, help="rows per write repeat")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--batch", type=int, default=256, help="rows per lease")
+    p.add_argument("--write-batch-groups", type=int, default=64,
+                   help="groups per write_groups call (and rows per COPY / group size)")
+    p.add_argument("--lease-batches", type=int, default=100, help="leases per repeat and side")
+    p.add_argument("--repeat", type=int, default=3, help="repeats; the median is reported")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true", help="keep the bench run and the bare table")
+    return p.parse_args()
+
+
+# --- input rows -----------------------------------------------------------------------------
+
+
+def _texts(rng: np.random.Generator, n: int) -> list[str]:
+    """n lowercase texts of 100 to 300 characters."""
+    alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz  .,", dtype=np.uint8)
+    lengths = rng.integers(100, 301, size=n)
+    blob = alphabet[rng.integers(0, alphabet.size, size=int(lengths.sum()))].tobytes().decode()
+    ends = np.cumsum(lengths).tolist()
+    return [blob[end - length:end] for end, length in zip(ends, lengths.tolist())]
+
+
+@dataclass
+class Pool:
+    """Rows generated once: Experience groups for the writer, the same rows encoded for COPY."""
+
+    groups: list[list[Experience]]
+    encoded: list[list[tuple]]  # per group, per row: the encoded column values
+
+    def records(self, run_id: int, start: int, stop: int) -> list[tuple]:
+        """COPY tuples (in COPY_COLUMNS order) of groups[start:stop], with fresh group ids."""
+        out = []
+        for group in self.encoded[start:stop]:
+            group_id = uuid.uuid4()
+            out.extend((run_id, None, group_id, 0, *row, "{}", "ready", None) for row in group)
+        return out
+
+
+def make_pool(run: str, n_groups: int, group_size: int, seed: int) -> Pool:
+    n = n_groups * group_size
+    rng = np.random.default_rng(seed)
+    prompt_ids = rng.integers(0, VOCAB, size=(n, TOKENS), dtype=np.int32)
+    response_ids = rng.integers(0, VOCAB, size=(n, TOKENS), dtype=np.int32)
+    logprobs = -(rng.exponential(1.0, size=(n, TOKENS)) + 1e-4).astype(np.float32)
+    mask = np.ones((n, TOKENS), dtype=np.uint8)
+    accuracy, fmt = rng.integers(0, 2, size=n).astype(float), rng.random(n) * 0.1
+    prompts, responses = _texts(rng, n), _texts(rng, n)
+    groups, encoded = [], []
+    for g in range(n_groups):
+        rows = range(g * group_size, (g + 1) * group_size)
+        groups.append([Experience(
+            run=run, prompt_text=prompts[i], response_text=responses[i],
+            prompt_ids=prompt_ids[i], response_ids=response_ids[i], logprobs=logprobs[i],
+            action_mask=mask[i], reward=accuracy[i] + fmt[i],
+            reward_components={"accuracy": accuracy[i], "format": fmt[i]}) for i in rows])
+        encoded.append([(
+            prompts[i], responses[i], codec.encode(prompt_ids[i], codec.TOKEN),
+            codec.encode(response_ids[i], codec.TOKEN), codec.encode(logprobs[i], codec.LOGPROB),
+            codec.encode(mask[i], codec.MASK), float(accuracy[i] + fmt[i]),
+            json.dumps({"accuracy": accuracy[i], "format": fmt[i]})) for i in rows])
+    return Pool(groups, encoded)
+
+
+# --- the bare side: one asyncpg connection on its own event loop ----------------------------
+
+
+def bare_commit_sql() -> str:
+    """The ledger's own commit statement, on the bare tables, with asyncpg's $n parameters."""
+    sql = (ledger.COMMIT_STEP.text.replace("UPDATE experiences", f"UPDATE {BARE}")
+           .replace("INTO train_steps", f"INTO {BARE_STEPS}")
+           .replace("INTO batch_items", f"INTO {BARE_ITEMS}"))
+    names = ("token", "run_id", "step", "policy_version", "loss", "metrics", "n_experiences",
+             "ids", "weights")
+    for number, name in enumerate(names, 1):
+        sql = re.sub(rf":{name}\b", f"${number}", sql)
+    return sql.replace("$5,", "$5::float8,").replace("$6,", "$6::jsonb,")
+
+
+def asyncpg_args(url: str) -> dict:
+    """asyncpg.connect arguments for a store URL (a Unix socket dir may sit in ?host=)."""
+    parsed = make_url(url)
+    return dict(host=parsed.query.get("host") or parsed.host, port=parsed.port,
+                user=parsed.username, password=parsed.password, database=parsed.database)
+
+
+class Bare:
+    LEASE = (f"UPDATE {BARE} SET status = 'leased', lease_token = {{token}}, "
+             f"leased_until = now() + make_interval(secs => {{seconds}}) "
+             f"WHERE id IN (SELECT id FROM {BARE} WHERE run_id = {{run_id}} AND status = 'ready' "
+             f"ORDER BY created_at, id LIMIT {{batch}} FOR UPDATE SKIP LOCKED) RETURNING {RETURNED}")
+
+    def __init__(self, url: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.conn: asyncpg.Connection = self.run(asyncpg.connect(**asyncpg_args(url)))
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def execute(self, sql: str, *args):
+        return self.run(self.conn.execute(sql, *args))
+
+    def fetch(self, sql: str, *args):
+        return self.run(self.conn.fetch(sql, *args))
+
+    def copy(self, records: list[tuple], rows_per_call: int) -> float:
+        return self.run(self._copy(records, rows_per_call))
+
+    async def _copy(self, records, rows_per_call) -> float:
+        start = time.perf_counter()
+        for i in range(0, len(records), rows_per_call):
+            await self.conn.copy_records_to_table(BARE, records=records[i:i + rows_per_call],
+                                                  columns=COPY_COLUMNS)
+        return time.perf_counter() - start
+
+    def lease(self, run_id: int, batches: int, batch: int, lease_seconds: float) -> list[float]:
+        return self.run(self._lease(run_id, batches, batch, lease_seconds))
+
+    async def _lease(self, run_id, batches, batch, lease_seconds) -> list[float]:
+        sql = self.LEASE.format(token="$1", run_id="$2", batch="$3", seconds="$4")
+        times = []
+        for _ in range(batches):
+            start = time.perf_counter()
+            rows = await self.conn.fetch(sql, uuid.uuid4(), run_id, batch, lease_seconds)
+            times.append(time.perf_counter() - start)
+            if len(rows) != batch:
+                raise RuntimeError(f"bare lease returned {len(rows)} of {batch} rows")
+        return times
+
+    def lease_commit(self, run_id: int, batches: int, batch: int, lease_seconds: float,
+                     steps) -> list[float]:
+        return self.run(self._lease_commit(run_id, batches, batch, lease_seconds, steps))
+
+    async def _lease_commit(self, run_id, batches, batch, lease_seconds, steps) -> list[float]:
+        lease_sql = self.LEASE.format(token="$1", run_id="$2", batch="$3", seconds="$4")
+        commit_sql = bare_commit_sql()
+        times = []
+        for _ in range(batches):
+            start = time.perf_counter()
+            token = uuid.uuid4()
+            rows = await self.conn.fetch(lease_sql, token, run_id, batch, lease_seconds)
+            async with self.conn.transaction():
+                written = await self.conn.fetch(commit_sql, token, run_id, next(steps), 0, None,
+                                                "{}", len(rows), [r["id"] for r in rows],
+                                                [1.0] * len(rows))
+            times.append(time.perf_counter() - start)
+            if len(written) != batch:
+                raise RuntimeError(f"bare commit wrote {len(written)} of {batch} ledger rows")
+        return times
+
+    def close(self) -> None:
+        self.run(self.conn.close())
+        self.loop.close()
+
+
+# --- the bare table: identical to experiences -----------------------------------------------
+
+
+CATALOG = """
+SELECT 'column ' || attname || ' ' || format_type(atttypid, atttypmod) || ' storage='
+       || attstorage::text || ' generated=' || attgenerated::text || ' not null=' || attnotnull
+  FROM pg_attribute WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped
+UNION ALL
+SELECT 'expression ' || a.attname || ' ' || pg_get_expr(d.adbin, d.adrelid)
+  FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+ WHERE d.adrelid = $1::regclass
+UNION ALL
+SELECT 'constraint ' || contype::text || ' ' || pg_get_constraintdef(oid)
+  FROM pg_constraint WHERE conrelid = $1::regclass
+UNION ALL
+SELECT 'index unique=' || indisunique || ' ' || regexp_replace(pg_get_indexdef(indexrelid), '^.* USING ', '')
+  FROM pg_index WHERE indrelid = $1::regclass
+UNION ALL
+SELECT 'options ' || coalesce(reloptions::text, '') FROM pg_class WHERE oid = $1::regclass
+"""
+
+
+def create_bare_table(bare: Bare) -> str:
+    """Create BARE like experiences, with its FKs and own sequence; return a summary."""
+    bare.execute(f"""
+        DROP TABLE IF EXISTS {BARE_ITEMS}, {BARE_STEPS}, {BARE};
+        CREATE TABLE {BARE} (LIKE experiences INCLUDING ALL);
+        CREATE SEQUENCE {BARE}_id_seq OWNED BY {BARE}.id;
+        ALTER TABLE {BARE} ALTER COLUMN id SET DEFAULT nextval('{BARE}_id_seq');""")
+    fks = bare.fetch("SELECT conname, pg_get_constraintdef(oid) AS def FROM pg_constraint "
+                     "WHERE conrelid = 'experiences'::regclass AND contype = 'f'")
+    for fk in fks:
+        definition = re.sub(r"REFERENCES (public\.)?experiences\(", f"REFERENCES {BARE}(", fk["def"])
+        bare.execute(f'ALTER TABLE {BARE} ADD CONSTRAINT "{BARE}_{fk["conname"]}" {definition}')
+    bare.execute(f"""
+        DROP TABLE IF EXISTS {BARE_ITEMS}, {BARE_STEPS};
+        CREATE TABLE {BARE_STEPS} (LIKE train_steps INCLUDING ALL);
+        CREATE SEQUENCE {BARE_STEPS}_id_seq OWNED BY {BARE_STEPS}.id;
+        ALTER TABLE {BARE_STEPS} ALTER COLUMN id SET DEFAULT nextval('{BARE_STEPS}_id_seq'),
+            ADD FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE;
+        CREATE TABLE {BARE_ITEMS} (LIKE batch_items INCLUDING ALL,
+            FOREIGN KEY (train_step_id) REFERENCES {BARE_STEPS} (id) ON DELETE CASCADE,
+            FOREIGN KEY (experience_id) REFERENCES {BARE} (id) ON DELETE CASCADE);""")
+    options = bare.fetch("SELECT unnest(reloptions) FROM pg_class WHERE oid = 'experiences'::regclass")
+    if options:  # storage parameters (e.g. toast_tuple_target) are not copied by LIKE
+        bare.execute(f"ALTER TABLE {BARE} SET ({', '.join(row[0] for row in options)})")
+    return check_same_shape(bare)
+
+
+def _catalog(bare: Bare, table: str) -> list[str]:
+    lines = [row[0].replace(BARE, "experiences") for row in bare.fetch(CATALOG, table)]
+    return sorted(re.sub(r"nextval\('[^']*'::regclass\)", "nextval(<seq>)", line) for line in lines)
+
+
+def check_same_shape(bare: Bare) -> str:
+    ours, theirs = _catalog(bare, "experiences"), _catalog(bare, BARE)
+    if ours != theirs:
+        diff = sorted(set(ours) ^ set(theirs))
+        raise SystemExit(f"{BARE} does not match experiences:\n  " + "\n  ".join(diff))
+    n = {kind: sum(line.startswith(kind) for line in ours)
+         for kind in ("column", "constraint", "index")}
+    external = sum("storage=e" in line for line in ours)
+    generated = sum("generated=s" in line for line in ours)
+    return (f"{n['column']} columns ({external} STORAGE EXTERNAL, {generated} generated), "
+            f"{n['constraint']} constraints, {n['index']} indexes: same as experiences")
+
+
+def check_same_rows(bare: Bare, run_id: int) -> None:
+    """The first row each side wrote came from the same pool row: compare the stored values."""
+    columns = ("prompt_text, response_text, prompt_ids, response_ids, logprobs, action_mask, "
+               "reward, reward_components, metadata, status, prompt_len, response_len")
+    first = [bare.fetch(f"SELECT {columns} FROM {table} WHERE run_id = $1 ORDER BY id LIMIT 1",
+                        run_id)[0] for table in ("experiences", BARE)]
+    if tuple(first[0]) != tuple(first[1]):
+        raise SystemExit("the writer and the bare COPY stored different values for one row")
+
+
+# --- measurements ---------------------------------------------------------------------------
+
+
+@dataclass
+class Measure:
+    side: str
+    rates: list[float] = field(default_factory=list)
+    batch_ms: list[float] = field(default_factory=list)
+
+    def add(self, rows: int, seconds: float, batch_times: list[float] | None = None) -> None:
+        self.rates.append(rows / seconds)
+        self.batch_ms.extend(t * 1000 for t in batch_times or [])
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.rates)
+
+
+def timed_writes(store: Store, groups: list[list[Experience]], groups_per_call: int) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(groups), groups_per_call):
+        store.write_groups(groups[i:i + groups_per_call])
+    return time.perf_counter() - start
+
+
+def timed_leases(store: Store, run: str, batches: int, batch: int, steps) -> list[tuple]:
+    """Lease and commit `batches` batches; per batch (lease seconds, lease+commit seconds)."""
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        lease = store.lease(run, rows=batch)
+        leased = time.perf_counter()
+        store.commit_step(lease, step=next(steps), policy_version=0)
+        times.append((leased - start, time.perf_counter() - start))
+        if len(lease.rows) != batch:
+            raise RuntimeError(f"Reservoir lease returned {len(lease.rows)} of {batch} rows")
+    return times
+
+
+def measure_writes(store: Store, bare: Bare, pool: Pool, run_id: int, args) -> list[Measure]:
+    ours, theirs = Measure("reservoir"), Measure("bare COPY")
+    rows = len(pool.groups) * args.group_size
+    per_call = args.write_batch_groups * args.group_size
+    for r in range(args.repeat):
+        records = pool.records(run_id, 0, len(pool.groups))  # untimed: the baseline's input
+        sides = [lambda: ours.add(rows, timed_writes(store, pool.groups, args.write_batch_groups)),
+                 lambda: theirs.add(rows, bare.copy(records, per_call))]
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            side()
+        console.print(f"  write repeat {r + 1}: reservoir {ours.rates[-1]:,.0f} rows/s, "
+                      f"bare COPY {theirs.rates[-1]:,.0f} rows/s")
+    return [ours, theirs]
+
+
+def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dict:
+    """Lease+commit against the bare loop; the lease part alone is kept as a third measure."""
+    ours = Measure("reservoir")
+    lease_part = Measure("reservoir (lease part)")
+    theirs = Measure("bare UPDATE..RETURNING")
+    same_sql = Measure("bare lease+commit, same SQL")
+    rows, steps, bare_steps = args.lease_batches * args.batch, count(1), count(1)
+
+    def reservoir_side():
+        times = timed_leases(store, run, args.lease_batches, args.batch, steps)
+        ours.add(rows, sum(t for _, t in times), [t for _, t in times])
+        lease_part.add(rows, sum(t for t, _ in times), [t for t, _ in times])
+
+    def bare_side():
+        times = bare.lease(run_id, args.lease_batches, args.batch, store.flow.lease_seconds)
+        theirs.add(rows, sum(times), times)
+        times = bare.lease_commit(run_id, args.lease_batches, args.batch,
+                                  store.flow.lease_seconds, bare_steps)
+        same_sql.add(rows, sum(times), times)
+
+    for r in range(args.repeat):
+        for side in (reservoir_side, bare_side) if r % 2 == 0 else (bare_side, reservoir_side):
+            side()
+        console.print(f"  lease repeat {r + 1}: reservoir lease+commit {ours.rates[-1]:,.0f} "
+                      f"rows/s (lease part {lease_part.rates[-1]:,.0f}), bare "
+                      f"{theirs.rates[-1]:,.0f} rows/s, bare lease+commit with the same SQL "
+                      f"{same_sql.rates[-1]:,.0f} rows/s")
+    return {"lease+commit": [ours, theirs], "lease only": [lease_part, theirs],
+            "lease+commit, like for like": [ours, same_sql]}
+
+
+def fill(store: Store, bare: Bare, pool: Pool, run_id: int, target: int, args) -> int:
+    """Write through both sides, one call each in turn, until each holds `target` ready rows."""
+    have = bare.fetch(f"SELECT count(*) FROM {BARE} WHERE run_id = $1 AND status = 'ready'",
+                      run_id)[0][0]
+    per_call = args.write_batch_groups * args.group_size
+    calls = max(0, -(-(target - have) // per_call))
+    if calls == 0:
+        return have
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        ours = progress.add_task("fill: Reservoir writer", total=calls * per_call)
+        theirs = progress.add_task("fill: bare COPY", total=calls * per_call)
+        for call in range(calls):
+            start = call * args.write_batch_groups % len(pool.groups)
+            stop = start + args.write_batch_groups
+            store.write_groups(pool.groups[start:stop])
+            progress.advance(ours, per_call)
+            bare.copy(pool.records(run_id, start, stop), per_call)
+            progress.advance(theirs, per_call)
+    return have + calls * per_call
+
+
+def settle(bare: Bare) -> None:
+    """Same starting state for both tables: visibility map set, planner statistics fresh."""
+    for table in ("experiences", BARE):
+        bare.execute(f"VACUUM (ANALYZE, PROCESS_TOAST FALSE) {table}")
+
+
+def environment(bare: Bare, store: Store, run_id: int, config: ReservoirConfig,
+                args) -> list[str]:
+    version = bare.fetch("SHOW server_version")[0][0]
+    names = ["shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_wal_size"]
+    settings = bare.fetch("SELECT name, current_setting(name) FROM unnest($1::text[]) AS name",
+                          names)
+    others = bare.fetch("SELECT count(*) FROM experiences WHERE run_id <> $1", run_id)[0][0]
+    where = (f"server at {redact(store.url)}" if config.store.resolved_url()
+             else f"embedded ({config.store.data_dir})")
+    return [
+        f"PostgreSQL {version}, {where}",
+        "settings: " + ", ".join(f"{name}={value}" for name, value in settings),
+        f"experiences rows of other runs: {others:,}",
+        f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, asyncpg {asyncpg.__version__}",
+        f"rows: {TOKENS} prompt + {TOKENS} response tokens; lease table >= {args.rows:,} ready "
+        f"rows; lease batch {args.batch}; {args.lease_batches} leases per repeat and side; write "
+        f"{args.write_batch_groups} groups x {args.group_size} rows per call; "
+        f"{args.repeat} repeats (median reported); seed {args.seed}",
+    ]
+
+
+def _scans(plan: dict) -> list[str]:
+    """The scans of an EXPLAIN (FORMAT JSON) plan, e.g. 'Index Scan experiences_pkey + filter'."""
+    node, found = plan, []
+    if "Relation Name" in node:
+        found.append(f"{node['Node Type']} {node.get('Index Name') or node['Relation Name']}"
+                     + (" + filter" if "Filter" in node else ""))
+    for child in node.get("Plans", []):
+        found.extend(_scans(child))
+    return found
+
+
+def plan_lines(bare: Bare, store: Store, run_id: int, batch: int) -> list[str]:
+    """How the server runs each side's lease now (EXPLAIN, nothing executed)."""
+    ours = lease_statement("rows", store.flow, False).params(
+        run_ids=[run_id], n=batch, token=uuid.uuid4(),
+        lease_for=timedelta(seconds=store.flow.lease_seconds))
+    reservoir_sql = str(ours.compile(dialect=postgresql.dialect(),
+                                     compile_kwargs={"literal_binds": True}))
+    sql = {
+        "reservoir lease": reservoir_sql,
+        "bare lease": Bare.LEASE.format(token=f"'{uuid.uuid4()}'", run_id=run_id, batch=batch,
+                                        seconds=store.flow.lease_seconds),
+        "commit_step's rows (by lease_token)": "SELECT id FROM experiences WHERE lease_token = "
+                                               f"'{uuid.uuid4()}'",
+    }
+    lines = []
+    for name, statement in sql.items():
+        plan = json.loads(bare.fetch(f"EXPLAIN (FORMAT JSON) {statement}")[0][0])[0]["Plan"]
+        lines.append(f"plan, {name}: " + ", ".join(_scans(plan)))
+    return lines
+
+
+def drift_note(bare_lease: Measure, plans: list[str]) -> None:
+    first, last = bare_lease.rates[0], bare_lease.rates[-1]
+    if last >= 0.7 * first:
+        return
+    walk = any("pkey + filter" in line for line in plans)
+    console.print(
+        f"note: the bare lease fell from {first:,.0f} to {last:,.0f} rows/s over the repeats as "
+        "leased and consumed rows piled up ahead of the ready ones"
+        + ("; a scan of the primary key with a status filter walks all of them on every lease"
+           if walk else ""), highlight=False)
+
+
+# --- report and clean-up --------------------------------------------------------------------
+
+
+def _percentile(values: list[float], q: float) -> str:
+    return f"{np.percentile(values, q):.1f}" if values else "-"
+
+
+def report(pairs: dict[str, list[Measure]], args) -> None:
+    table = Table(title=f"Reservoir vs bare asyncpg, rows/s (median of {args.repeat} repeats)")
+    for name in ("measurement", "side", "median rows/s", "per repeat", "ms/batch p50",
+                 "ms/batch p99", "ratio"):
+        table.add_column(name, justify="left" if name in ("measurement", "side") else "right")
+    shown = set()
+    for what, (ours, theirs) in pairs.items():
+        for m in (ours, theirs):
+            if id(m) in shown:
+                continue
+            shown.add(id(m))
+            table.add_row(what, m.side, f"{m.rate:,.0f}", " ".join(f"{r:,.0f}" for r in m.rates),
+                          _percentile(m.batch_ms, 50), _percentile(m.batch_ms, 99),
+                          f"{ours.rate / theirs.rate:.2f}" if m is ours else "")
+    console.print(table)
+    for what, (ours, theirs) in pairs.items():
+        goal = f"target >= {TARGET}" if what in ("write", "lease+commit") else "diagnostic"
+        print(f"{what}: reservoir {ours.rate:,.0f} rows/s | {theirs.side} {theirs.rate:,.0f} "
+              f"rows/s | ratio {ours.rate / theirs.rate:.2f} ({goal})")
+
+
+NOTES = """\
+notes: the bare COPY's rows were encoded (bytes, JSON text) before timing, so the baseline is
+  the driver and server cost alone; Reservoir's validation and encoding are timed. The bare
+  lease is one UPDATE .. RETURNING per batch (its own transaction) and commits no step; 'lease
+  only' is the lease part of Reservoir's lease+commit loop, against the same bare loop; 'like
+  for like' runs the bare lease and then the ledger's own commit statement on bare tables
+  through raw asyncpg: the same server work as Reservoir, none of its Python."""
+
+
+def cleanup(bare: Bare, run: str, run_id: int) -> None:
+    start = time.perf_counter()
+    bare.execute(f"DROP TABLE IF EXISTS {BARE_ITEMS}, {BARE_STEPS}, {BARE}")
+    rows = bare.fetch("SELECT count(*) FROM experiences WHERE run_id = $1", run_id)[0][0]
+    bare.execute("DELETE FROM runs WHERE name = $1", run)
+    console.print(f"clean-up: dropped the bare tables, deleted run {run} and its {rows:,} "
+                  f"experiences in {time.perf_counter() - start:.1f}s")
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def run_bench(store: Store, bare: Bare, run: str, run_id: int, args) -> dict[str, list[Measure]]:
+    console.print("bare table: " + create_bare_table(bare))
+    started = time.perf_counter()
+    calls = -(-args.write_rows // (args.write_batch_groups * args.group_size))
+    pool = make_pool(run, calls * args.write_batch_groups, args.group_size, args.seed)
+    console.print(f"input: {len(pool.groups) * args.group_size:,} rows generated in "
+                  f"{time.perf_counter() - started:.1f}s")
+    pairs = {"write": measure_writes(store, bare, pool, run_id, args)}
+    check_same_rows(bare, run_id)
+    target = max(args.rows, (2 * args.repeat * args.lease_batches + 1) * args.batch)
+    ready = fill(store, bare, pool, run_id, target, args)
+    settle(bare)
+    console.print(f"lease tables: {ready:,} ready rows each (run {run})")
+    pairs.update(measure_leases(store, bare, run, run_id, args))
+    plans = plan_lines(bare, store, run_id, args.batch)
+    for line in plans:
+        console.print(line, highlight=False)
+    drift_note(pairs["lease+commit"][1], plans)
+    return pairs
+
+
+def main() -> None:
+    args = parse_args()
+    config = ReservoirConfig(store=StoreConfig(url=args.url), sampler=SamplerConfig(unit="rows"))
+    store = Store.open(config)
+    bare = Bare(store.url)
+    run = f"bench-{int(time.time())}"
+    run_id = store.create_run(run, group_size=args.group_size)
+    try:
+        for line in environment(bare, store, run_id, config, args):
+            console.print(line, highlight=False)
+        pairs = run_bench(store, bare, run, run_id, args)
+        report(pairs, args)
+        print(NOTES)
+    finally:
+        if args.keep:
+            console.print(f"kept run {run} and table {BARE}")
+        else:
+            cleanup(bare, run, run_id)
+        bare.close()
+        store.close()
+
+
+if __name__ == "__main__":
+    main()
