@@ -105,7 +105,7 @@ def upgrade() -> None:
     )
     op.create_index('experiences_group', 'experiences', ['group_id', 'id'], unique=False)
     op.create_index('experiences_leased', 'experiences', ['leased_until'], unique=False, postgresql_where=sa.text("status = 'leased'"))
-    op.create_index('experiences_ready', 'experiences', ['run_id', 'id'], unique=False, postgresql_where=sa.text("status = 'ready'"))
+    op.create_index('experiences_ready', 'experiences', ['run_id', 'created_at', 'id'], unique=False, postgresql_where=sa.text("status = 'ready'"))
     op.create_index('experiences_ready_priority', 'experiences', ['run_id', sa.literal_column('priority DESC'), 'id'], unique=False, postgresql_where=sa.text("status = 'ready'"))
     op.create_index('experiences_run_status', 'experiences', ['run_id', 'status'], unique=False)
     op.create_index('experiences_task', 'experiences', ['task_id'], unique=False)
