@@ -55,15 +55,6 @@ def add_inserted(run_id: int, n: int):
             .values(rows_inserted=runs.c.rows_inserted + n, updated_at=func.now()))
 
 
-def add_sampled(run_id: int, n: int):
-    return (update(runs).where(runs.c.id == run_id)
-            .values(rows_sampled=runs.c.rows_sampled + n, updated_at=func.now()))
-
-
-def set_status(conn: Connection, run_id: int, status: str) -> None:
-    conn.execute(update(runs).where(runs.c.id == run_id).values(status=status, updated_at=func.now()))
-
-
 def publish_version(conn: Connection, run_id: int, version: int, *, location: str | None,
                     train_step: int | None) -> None:
     conn.execute(insert(policy_versions).values(run_id=run_id, version=version,
