@@ -22,13 +22,23 @@ def start_worker(url: str, run: str, index: int, batch: int, mode: str, lease_se
     return subprocess.Popen(
         [sys.executable, "-m", "tests.workers.lease_worker", url, run, str(index), str(batch),
          mode, str(lease_seconds)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def start_together(workers) -> None:
+    for worker in workers:
+        assert worker.stdout.readline().strip() == "ready"
+    for worker in workers:
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
 
 
 def test_concurrent_processes_never_share_a_row(store, db_url):
     store.create_run("r")
     fill(store, "r", 300)  # 1,200 rows
     workers = [start_worker(db_url, "r", i, 16, "commit", 60) for i in range(4)]
+    start_together(workers)
     leased: list[list[int]] = []
     for worker in workers:
         out, _ = worker.communicate(timeout=120)
@@ -47,6 +57,7 @@ def test_sigkill_while_holding_a_lease_loses_nothing(store, db_url):
     store.create_run("r")
     fill(store, "r", 4)
     worker = start_worker(db_url, "r", 0, 10, "hold", 1.0)
+    start_together([worker])
     held = json.loads(worker.stdout.readline())
     worker.send_signal(signal.SIGKILL)
     worker.wait(timeout=10)

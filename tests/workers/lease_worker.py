@@ -3,7 +3,8 @@
     python -m tests.workers.lease_worker URL RUN WORKER_INDEX BATCH commit|hold LEASE_SECONDS
 
 `commit` leases until nothing is left, committing each batch as a step; `hold` leases one
-batch, prints it and sleeps (to be killed while holding the lease).
+batch, prints it and sleeps (to be killed while holding the lease). The worker prints "ready"
+once connected and starts when a line arrives on standard input, so several start together.
 """
 
 import json
@@ -19,6 +20,9 @@ def main() -> None:
     url, run, index, batch, mode, lease_seconds = sys.argv[1:7]
     flow = SamplerConfig(unit="rows", lease_seconds=float(lease_seconds), wait_timeout_s=0.5)
     with Store(url, flow) as store:
+        store.reclaim_expired()  # connect before the start line
+        print("ready", flush=True)
+        sys.stdin.readline()
         step = int(index) * 100_000
         while True:
             try:

@@ -48,22 +48,11 @@ class Experience:
     parent_id: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class EncodedRow:
-    """An experience checked and converted to the store's column values."""
-
-    task_id: int | None
-    policy_version: int
-    prompt_text: str
-    response_text: str
-    prompt_ids: bytes
-    response_ids: bytes
-    logprobs: bytes | None
-    action_mask: bytes | None
-    reward: float
-    reward_components: str
-    metadata: str
-    parent_id: int | None
+# Column order of the tuples ShapedGroup.encode returns (the writer prefixes run_id, group_id, status).
+ROW_COLUMNS = (
+    "task_id", "policy_version", "prompt_text", "response_text", "prompt_ids", "response_ids",
+    "logprobs", "action_mask", "reward", "reward_components", "metadata", "parent_id",
+)
 
 
 _JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
@@ -177,8 +166,10 @@ def _components_json(components: dict[str, float]) -> str:
     return "{" + ",".join(f"{_json_key(k)}:{float(v)!r}" for k, v in components.items()) + "}"
 
 
-def _values_ok(rows: list[_Shaped]) -> bool:
-    """Token ranges, finite logprobs and 0/1 masks of a whole group, in a few array passes."""
+def values_ok(rows: list[_Shaped]) -> bool:
+    """Token ranges, finite logprobs and 0/1 masks of many rows, in a few array passes."""
+    if not rows:
+        return True
     tokens = np.concatenate([a for row in rows for a in (row.prompt_ids, row.response_ids)])
     if tokens.size and (tokens.min() < 0 or (tokens.dtype != np.int32 and tokens.max() > INT32_MAX)):
         return False
@@ -194,30 +185,37 @@ def _values_ok(rows: list[_Shaped]) -> bool:
     return True
 
 
-def encode_group(group: Sequence[Experience], group_index: int) -> list[EncodedRow]:
-    """Check a group and convert it to column values; raises ExperienceInvalid on a bad row."""
-    checkers = [_RowChecker(group_index, i, exp) for i, exp in enumerate(group)]
-    shaped = [_shape_row(exp, check) for exp, check in zip(group, checkers)]
-    if not _values_ok(shaped):
-        for row, check in zip(shaped, checkers):
-            check.values(row)
-    return [
-        EncodedRow(
-            task_id=exp.task_id,
-            policy_version=int(exp.policy_version),
-            prompt_text=exp.prompt_text,
-            response_text=exp.response_text,
-            prompt_ids=codec.encode(row.prompt_ids, codec.TOKEN),
-            response_ids=codec.encode(row.response_ids, codec.TOKEN),
-            logprobs=None if row.logprobs is None else codec.encode(row.logprobs, codec.LOGPROB),
-            action_mask=None if row.action_mask is None else codec.encode(row.action_mask, codec.MASK),
-            reward=float(exp.reward),
-            reward_components=row.reward_components,
-            metadata=row.metadata,
-            parent_id=exp.parent_id,
-        )
-        for exp, row in zip(group, shaped)
-    ]
+@dataclass(slots=True)
+class ShapedGroup:
+    """A group whose structure passed; `encode` after its values pass (`values_ok`)."""
+
+    group: Sequence[Experience]
+    index: int
+    rows: list[_Shaped]
+
+    def check_values(self) -> None:
+        """Find and raise the row a batch-wide `values_ok` rejected (slow path)."""
+        if not values_ok(self.rows):
+            for row_index, (exp, row) in enumerate(zip(self.group, self.rows)):
+                _RowChecker(self.index, row_index, exp).values(row)
+
+    def encode(self) -> list[tuple]:
+        """Column values in ROW_COLUMNS order."""
+        return [
+            (exp.task_id, int(exp.policy_version), exp.prompt_text, exp.response_text,
+             codec.encode(row.prompt_ids, codec.TOKEN), codec.encode(row.response_ids, codec.TOKEN),
+             None if row.logprobs is None else codec.encode(row.logprobs, codec.LOGPROB),
+             None if row.action_mask is None else codec.encode(row.action_mask, codec.MASK),
+             float(exp.reward), row.reward_components, row.metadata, exp.parent_id)
+            for exp, row in zip(self.group, self.rows)
+        ]
+
+
+def shape_group(group: Sequence[Experience], group_index: int) -> ShapedGroup:
+    """Check a group's structure (shapes, types, texts, rewards, JSON); raises ExperienceInvalid."""
+    check_group_shape(group, group_index)
+    return ShapedGroup(group, group_index, [
+        _shape_row(exp, _RowChecker(group_index, i, exp)) for i, exp in enumerate(group)])
 
 
 def check_group_shape(group: Sequence[Experience], group_index: int) -> None:

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Sequence
+from typing import Literal, Sequence
 
 import asyncpg
 from sqlalchemy.exc import DBAPIError
@@ -22,13 +22,10 @@ from reservoir.config import SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
 from reservoir.store import runs
 from reservoir.store.flow import RateLimit
-from reservoir.store.records import EncodedRow, Experience, check_group_shape, encode_group
+from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
+                                     shape_group, values_ok)
 
-COPY_COLUMNS = (
-    "run_id", "task_id", "group_id", "policy_version", "prompt_text", "response_text",
-    "prompt_ids", "response_ids", "logprobs", "action_mask", "reward", "reward_components",
-    "metadata", "status", "parent_id",
-)
+COPY_COLUMNS = ("run_id", "group_id", "status") + ROW_COLUMNS
 
 
 @dataclass
@@ -43,7 +40,7 @@ class WriteResult:
 class _CheckedGroup:
     run_id: int
     group_id: uuid.UUID
-    rows: list[EncodedRow]
+    shaped: ShapedGroup
 
 
 async def write_groups(
@@ -56,63 +53,65 @@ async def write_groups(
 ) -> WriteResult:
     """Write groups in one transaction. With on_invalid="skip", bad groups are returned, not raised.
 
-    Groups are checked and encoded while COPY streams the previous ones to the server, so
-    validation costs little wall time; a bad group in "raise" mode aborts the COPY and the
-    transaction, and nothing of the batch is written.
+    Every group is checked before anything is sent: structure row by row, values (token ranges,
+    finite logprobs, 0/1 masks) in one pass over the whole batch. A bad group in "raise" mode
+    raises ExperienceInvalid and nothing is written.
     """
     result = WriteResult()
-    names = sorted({group[0].run for group in groups if group})
-    if flow.samples_per_insert is not None:
-        run_info = await _lookup_runs(engine, names)
-        await _wait_for_room(engine, _rows_per_run(groups, run_info), flow)
+    run_info = await _lookup_runs(engine, sorted({group[0].run for group in groups if group}))
+    checked = _checked_groups(groups, run_info, on_invalid, result)
     rows_per_run: Counter = Counter()
+    records = []
+    for group in checked:
+        rows = group.shaped.encode()
+        rows_per_run[group.run_id] += len(rows)
+        records.extend((group.run_id, group.group_id, status) + row for row in rows)
+        result.group_ids.append(group.group_id)
+    result.groups, result.rows = len(checked), len(records)
+    if not records:
+        return result
+    await _wait_for_room(engine, rows_per_run, flow)
     try:
         async with engine.begin() as conn:
-            run_info = {row.name: (row.id, row.group_size)
-                        for row in await conn.execute(runs.lookup(names))}
+            for run_id, n in sorted(rows_per_run.items()):  # also opens the transaction COPY joins
+                await conn.execute(runs.add_inserted(run_id, n))
             raw = await conn.get_raw_connection()
             await raw.driver_connection.copy_records_to_table(
-                "experiences", columns=COPY_COLUMNS,
-                records=_records(groups, run_info, status, on_invalid, result, rows_per_run))
-            for run_id, n in sorted(rows_per_run.items()):
-                await conn.execute(runs.add_inserted(run_id, n))
+                "experiences", columns=COPY_COLUMNS, records=records)
     except (asyncpg.PostgresError, DBAPIError) as exc:
         raise StoreError(f"writing {result.rows} rows in {result.groups} groups failed in the "
                          f"database; nothing of this batch was written: {exc}") from exc
     return result
 
 
-def _records(groups, run_info, status, on_invalid, result: WriteResult,
-             rows_per_run: Counter) -> Iterator[tuple]:
-    """COPY records of every valid group; invalid ones raise or land in result.rejected."""
+def _checked_groups(groups, run_info, on_invalid, result: WriteResult) -> list[_CheckedGroup]:
+    """Groups that pass every rule; the others raise or land in result.rejected."""
+    checked: list[_CheckedGroup] = []
     for index, group in enumerate(groups):
         try:
-            checked = _check_group(group, index, run_info)
+            checked.append(_check_group(group, index, run_info))
         except ExperienceInvalid as exc:
             if on_invalid == "raise":
                 raise
             result.rejected.append(exc)
-            continue
-        result.groups += 1
-        result.rows += len(checked.rows)
-        result.group_ids.append(checked.group_id)
-        rows_per_run[checked.run_id] += len(checked.rows)
-        for row in checked.rows:
-            yield (checked.run_id, row.task_id, checked.group_id, row.policy_version,
-                   row.prompt_text, row.response_text, row.prompt_ids, row.response_ids,
-                   row.logprobs, row.action_mask, row.reward, row.reward_components,
-                   row.metadata, status, row.parent_id)
-
-
-def _rows_per_run(groups, run_info) -> Counter:
-    counts: Counter = Counter()
-    for group in groups:
-        if group and group[0].run in run_info:
-            counts[run_info[group[0].run][0]] += len(group)
-    return counts
+    if values_ok([row for group in checked for row in group.shaped.rows]):
+        return checked
+    passing = []
+    for group in checked:  # slow path: find the groups with bad values
+        try:
+            group.shaped.check_values()
+            passing.append(group)
+        except ExperienceInvalid as exc:
+            if on_invalid == "raise":
+                raise
+            result.rejected.append(exc)
+    result.rejected.sort(key=lambda exc: exc.group_index)
+    return passing
 
 
 async def _lookup_runs(engine: AsyncEngine, names: list[str]) -> dict[str, tuple[int, int | None]]:
+    if not names:
+        return {}
     async with engine.connect() as conn:
         rows = (await conn.execute(runs.lookup(names))).all()
     return {row.name: (row.id, row.group_size) for row in rows}
@@ -133,7 +132,7 @@ def _check_group(group: Sequence[Experience], index: int,
             f"group {index}: {len(group)} rows, but run {first.run!r} declares group_size "
             f"{group_size}; nothing of this group was written",
             group_index=index, row_index=None, field="group_size")
-    return _CheckedGroup(run_id, first.group_id or uuid.uuid4(), encode_group(group, index))
+    return _CheckedGroup(run_id, first.group_id or uuid.uuid4(), shape_group(group, index))
 
 
 async def _wait_for_room(engine: AsyncEngine, rows_per_run: Counter, flow: SamplerConfig) -> None:
