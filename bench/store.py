@@ -109,7 +109,7 @@ class Pool:
         out = []
         for group in self.encoded[start:stop]:
             group_id = uuid.uuid4()
-            out.extend((run_id, None, group_id, 0, *row, "{}", "ready", None) for row in group)
+            out.extend((run_id, group_id, "ready", None, 0, *row, "{}", None) for row in group)
         return out
 
 
