@@ -229,3 +229,13 @@ def test_lease_across_runs_commits_to_the_named_run(store):
     with store.engine.connect() as conn:
         owner = conn.execute(text("SELECT r.name FROM train_steps t JOIN runs r ON r.id = t.run_id"))
         assert owner.scalar() == "new"
+
+
+@pytest.mark.parametrize("unit, expected_rows", [("rows", 3), ("groups", 12)])
+def test_configured_unit_and_batch_are_the_default_lease(make_store, unit, expected_rows):
+    store = make_store(unit=unit, batch=3)
+    store.create_run("r")
+    fill(store, "r", 5)
+    lease = store.lease("r")
+    assert len(lease.rows) == expected_rows
+    assert all(len(rows) == 4 for rows in lease.groups().values()) or unit == "rows"

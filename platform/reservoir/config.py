@@ -44,6 +44,7 @@ class SamplerConfig(Section):
     """Flow control: how trainers lease experiences out of the store (see README glossary)."""
 
     unit: Literal["rows", "groups"] = "groups"
+    batch: int = Field(default=32, ge=1)
     order: Literal["fifo", "lifo", "priority", "uniform"] = "fifo"
     sample_from: tuple[Literal["ready", "consumed"], ...] = ("ready",)
     lease_seconds: float = Field(default=300.0, gt=0)

@@ -52,6 +52,10 @@ class AsyncStore:
     async def lease(self, run: str | Sequence[str], *, rows: int | None = None,
                     groups: int | None = None, min_policy_version: int | None = None,
                     allow_partial: bool = False, timeout_s: float | None = None) -> Lease:
+        """Lease `rows` rows or `groups` whole groups; neither: `batch` of the configured unit."""
+        if rows is None and groups is None:
+            rows, groups = ((self.flow.batch, None) if self.flow.unit == "rows"
+                            else (None, self.flow.batch))
         return await sampler.lease(self.engine, self.run_ids(run), rows=rows, groups=groups,
                                    flow=self.flow, min_policy_version=min_policy_version,
                                    allow_partial=allow_partial, timeout_s=timeout_s)
