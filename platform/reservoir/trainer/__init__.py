@@ -1,0 +1,1 @@
+"""The trainer: algorithm pieces (advantages, policy losses, KL), the training loop, checkpoints."""
