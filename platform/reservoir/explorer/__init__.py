@@ -1,0 +1,1 @@
+"""The explorer: inference engines, workflows, reward functions, task generators, worker pool."""
