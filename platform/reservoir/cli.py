@@ -24,9 +24,11 @@ db_app = typer.Typer(help="The experience store's database: schema and embedded 
                      no_args_is_help=True)
 inspect_app = typer.Typer(help="Look at runs and experiences.", no_args_is_help=True)
 demo_app = typer.Typer(help="Runnable demonstrations.", no_args_is_help=True)
+model_app = typer.Typer(help="Local models (nothing is downloaded).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(inspect_app, name="inspect")
 app.add_typer(demo_app, name="demo")
+app.add_typer(model_app, name="model")
 
 console = Console()
 errors = Console(stderr=True)
@@ -180,6 +182,17 @@ def inspect_experience(experience_id: int, config: Optional[Path] = ConfigOption
         table.add_row(column, str(value))
     console.print(table)
     print_result(lineage, title="lineage")
+
+
+@model_app.command("tiny")
+def model_tiny(out_dir: Path = typer.Argument(..., help="Folder to write the model into."),
+               seed: int = typer.Option(0, help="Seed of the random weights."),
+               layers: int = typer.Option(2, min=1, max=8, help="Transformer layers.")) -> None:
+    """Build a small Qwen2 (head_dim 64) with a character tokenizer and save it locally."""
+    from reservoir.models import TinySpec, build_tiny_model
+
+    path = build_tiny_model(out_dir, seed=seed, spec=TinySpec(layers=layers))
+    console.print(f"tiny Qwen2 ({layers} layers, seed {seed}) saved to {path}")
 
 
 @demo_app.command("store")
