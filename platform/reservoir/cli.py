@@ -25,10 +25,13 @@ db_app = typer.Typer(help="The experience store's database: schema and embedded 
 inspect_app = typer.Typer(help="Look at runs and experiences.", no_args_is_help=True)
 demo_app = typer.Typer(help="Runnable demonstrations.", no_args_is_help=True)
 model_app = typer.Typer(help="Local models (nothing is downloaded).", no_args_is_help=True)
+tasks_app = typer.Typer(help="Tasks: load them into a run, or generate CPU examples.",
+                        no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(inspect_app, name="inspect")
 app.add_typer(demo_app, name="demo")
 app.add_typer(model_app, name="model")
+app.add_typer(tasks_app, name="tasks")
 
 console = Console()
 errors = Console(stderr=True)
@@ -39,7 +42,7 @@ def main() -> None:
     try:
         app()
     except ReservoirError as exc:
-        errors.print(f"[bold red]error:[/] {exc}", highlight=False)
+        errors.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)
 
 
@@ -193,6 +196,38 @@ def model_tiny(out_dir: Path = typer.Argument(..., help="Folder to write the mod
 
     path = build_tiny_model(out_dir, seed=seed, spec=TinySpec(layers=layers))
     console.print(f"tiny Qwen2 ({layers} layers, seed {seed}) saved to {path}")
+
+
+@tasks_app.command("load")
+def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with a prompt column."),
+               run: str = typer.Option(..., "--run", help="Run to load into (created if new)."),
+               config: Optional[Path] = ConfigOption) -> None:
+    """Load tasks from a file into a run, all or nothing."""
+    from reservoir.explorer.tasks import read_task_file
+    from reservoir.store.tasks import add_tasks
+
+    rows = read_task_file(file)
+    with _open(config) as store:
+        run_id = store.create_run(run, exist_ok=True)
+        with store.engine.begin() as conn:
+            ids = add_tasks(conn, run_id, rows)
+    splits = {split: sum(row["split"] == split for row in rows) for split in {r["split"] for r in rows}}
+    console.print(f"loaded {len(ids)} tasks from {file} into run {run!r} "
+                  f"({', '.join(f'{n} {s}' for s, n in sorted(splits.items()))})")
+
+
+@tasks_app.command("generate")
+def tasks_generate(kind: str = typer.Argument(..., help="addition, reverse or sort."),
+                   n: int = typer.Argument(..., min=1, help="How many tasks."),
+                   out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write."),
+                   seed: int = 0, test_fraction: float = typer.Option(0.1, min=0.0, max=1.0)) -> None:
+    """Generate CPU example tasks (held-out split included) into a JSONL file."""
+    from reservoir.explorer.tasks import GENERATORS, write_task_file
+
+    if kind not in GENERATORS:
+        raise ReservoirError(f"unknown task kind {kind!r}; valid: {', '.join(GENERATORS)}")
+    write_task_file(GENERATORS[kind](n, seed=seed, test_fraction=test_fraction), out)
+    console.print(f"wrote {n} {kind} tasks to {out}")
 
 
 @demo_app.command("store")
