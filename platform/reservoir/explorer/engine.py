@@ -1,0 +1,95 @@
+"""Inference engines: batched sampling of n responses per prompt with per-token logprobs.
+
+Every engine returns, per prompt, n `Sample`s holding the prompt and response token ids and the
+log-probability of each response token under the sampling distribution (logits / temperature),
+which is what a trainer's importance ratio compares against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from reservoir.models import load_model
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    text: str  # without special tokens: what reward functions read
+    raw_text: str  # every generated token, end-of-turn included: what the store keeps
+    finished: bool  # ended with the end-of-turn token (not cut by max_tokens)
+
+
+class Engine(Protocol):
+    def sample(self, prompts: list[str], n: int, *, temperature: float, max_tokens: int,
+               seed: int | None = None) -> list[list[Sample]]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    """The prompt as the model's chat template renders a user turn awaiting the assistant."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, tokenize=False)
+
+
+class TransformersEngine:
+    """Hugging Face transformers `generate` on CPU or GPU, batched, with the KV cache."""
+
+    def __init__(self, model_path: Path, *, device: str = "cpu", batch_size: int = 64):
+        self.model, self.tokenizer = load_model(model_path)
+        self.model.to(device).eval()
+        self.device, self.batch_size = device, batch_size
+        self.tokenizer.padding_side = "left"
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take new policy weights in place (no reload of the engine)."""
+        self.model.load_state_dict(state)
+
+    @torch.no_grad()
+    def sample(self, prompts: list[str], n: int, *, temperature: float = 1.0,
+               max_tokens: int = 32, seed: int | None = None) -> list[list[Sample]]:
+        if seed is not None:
+            torch.manual_seed(seed)
+        texts = [chat_prompt(self.tokenizer, prompt) for prompt in prompts]
+        per_chunk = max(1, self.batch_size // n)
+        samples: list[list[Sample]] = []
+        for start in range(0, len(texts), per_chunk):
+            samples.extend(self._sample_chunk(texts[start:start + per_chunk], n,
+                                              temperature, max_tokens))
+        return samples
+
+    def _sample_chunk(self, texts, n, temperature, max_tokens) -> list[list[Sample]]:
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True).to(self.device)
+        out = self.model.generate(
+            **batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+            max_new_tokens=max_tokens, num_return_sequences=n, return_dict_in_generate=True,
+            output_logits=True, pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id)
+        width = batch["input_ids"].shape[1]
+        generated = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float() / temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, generated[..., None])[..., 0]
+        prompt_rows = batch["input_ids"].repeat_interleave(n, dim=0)
+        prompt_mask = batch["attention_mask"].repeat_interleave(n, dim=0).bool()
+        rows = [self._to_sample(prompt_rows[i][prompt_mask[i]], generated[i], logprobs[i])
+                for i in range(generated.shape[0])]
+        return [rows[i * n:(i + 1) * n] for i in range(len(texts))]
+
+    def _to_sample(self, prompt_ids, generated, logprobs) -> Sample:
+        eos = (generated == self.tokenizer.eos_token_id).nonzero()
+        length = int(eos[0]) + 1 if len(eos) else generated.shape[0]
+        response = generated[:length]
+        return Sample(prompt_ids=prompt_ids.cpu().numpy().astype(np.int32),
+                      response_ids=response.cpu().numpy().astype(np.int32),
+                      logprobs=logprobs[:length].cpu().numpy().astype(np.float32),
+                      text=self.tokenizer.decode(response, skip_special_tokens=True),
+                      raw_text=self.tokenizer.decode(response, skip_special_tokens=False),
+                      finished=bool(len(eos)))

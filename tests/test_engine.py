@@ -1,0 +1,72 @@
+"""The transformers engine and the single-turn workflow, on a tiny local model and a real store."""
+
+import numpy as np
+import pytest
+import torch
+from sqlalchemy import text
+
+from reservoir.explorer.engine import TransformersEngine
+from reservoir.explorer.rewards import exact_match, format_reward
+from reservoir.explorer.workflow import Task, single_turn
+from reservoir.models import build_tiny_model
+from reservoir.store import codec
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return TransformersEngine(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=0))
+
+
+def forward_logprobs(engine, sample, temperature):
+    ids = torch.tensor(np.concatenate([sample.prompt_ids, sample.response_ids]))[None]
+    with torch.no_grad():
+        logits = engine.model(ids).logits[0].float() / temperature
+    start = len(sample.prompt_ids) - 1
+    chosen = torch.tensor(sample.response_ids, dtype=torch.long)[:, None]
+    return torch.log_softmax(logits[start:-1], dim=-1).gather(-1, chosen)[:, 0].numpy()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_a_separate_forward_pass(engine, temperature):
+    prompts = ["What is 2 + 3?", "Reverse: abcdef"]  # different lengths: left padding
+    groups = engine.sample(prompts, 3, temperature=temperature, max_tokens=10, seed=1)
+    assert [len(group) for group in groups] == [3, 3]
+    for group in groups:
+        for sample in group:
+            assert len(sample.logprobs) == len(sample.response_ids) > 0
+            np.testing.assert_allclose(sample.logprobs,
+                                       forward_logprobs(engine, sample, temperature), atol=1e-4)
+
+
+def test_sampling_is_seeded(engine):
+    first = engine.sample(["hi"], 2, max_tokens=6, seed=5)
+    again = engine.sample(["hi"], 2, max_tokens=6, seed=5)
+    assert [s.response_ids.tolist() for s in first[0]] == [s.response_ids.tolist() for s in again[0]]
+
+
+def test_new_weights_load_in_place(engine):
+    state = {k: torch.zeros_like(v) for k, v in engine.model.state_dict().items()}
+    before = engine.model
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.load_state_dict(state)
+    assert engine.model is before and float(engine.model.lm_head.weight.detach().abs().sum()) == 0.0
+    engine.load_state_dict(original)
+
+
+def test_single_turn_writes_one_group_per_task(engine, store):
+    run_id = store.create_run("r", group_size=4)
+    with store.engine.begin() as conn:
+        ids = [conn.execute(text("INSERT INTO tasks (run_id, prompt, answer) VALUES (:r, :p, :a) "
+                                 "RETURNING id"), {"r": run_id, "p": p, "a": a}).scalar()
+               for p, a in (("Reverse: abc", "cba"), ("What is 1 + 1?", "2"))]
+    tasks = [Task(ids[0], "Reverse: abc", "cba"), Task(ids[1], "What is 1 + 1?", "2")]
+    result = single_turn(engine, store, "r", tasks, n=4, policy_version=3, max_tokens=8,
+                         rewards=[exact_match, format_reward(r"\w+")], seed=0)
+    assert (result.groups, result.rows) == (2, 8)
+    with store.engine.connect() as conn:
+        rows = conn.execute(text("SELECT task_id, policy_version, logprobs, response_len, "
+                                 "reward_components FROM experiences ORDER BY id")).all()
+    assert [row.task_id for row in rows] == [ids[0]] * 4 + [ids[1]] * 4
+    assert {row.policy_version for row in rows} == {3}
+    assert all(len(codec.decode(row.logprobs, codec.LOGPROB)) == row.response_len for row in rows)
+    assert all(set(row.reward_components) == {"accuracy", "format"} for row in rows)
