@@ -61,6 +61,7 @@ INVALID = [
     case("component-nan", row(2, reward_components={"accuracy": math.nan}),
          "reward_components.accuracy", 2, "= nan"),
     case("empty-text", row(2, response_text=""), "response_text", 2, "= ''"),
+    case("nul-in-text", row(2, response_text="a\x00b"), "response_text", 2, "= 'a\\x00b'"),
     case("blank-text", row(2, response_text=" \n"), "response_text", 2, r"= ' \n'"),
     case("empty-response-ids", row(2, response_ids=[]), "response_ids", 2, "= []"),
     case("negative-token", row(2, response_ids=[5, 6, -1, 7, 8, 9]), "response_ids", 2,

@@ -198,6 +198,17 @@ def model_tiny(out_dir: Path = typer.Argument(..., help="Folder to write the mod
     console.print(f"tiny Qwen2 ({layers} layers, seed {seed}) saved to {path}")
 
 
+@app.command("run")
+def run_command(config: Path = typer.Argument(..., help="Run config YAML.")) -> None:
+    """Run RFT (sync mode, one process): explore, train and publish through the store."""
+    from reservoir.run import run_sync
+
+    summary = run_sync(load_config(config), console)
+    curve = ", ".join(f"step {step}: {accuracy:.2f}" for step, accuracy in summary.accuracy)
+    console.print(f"run {summary.run!r}: {summary.steps} steps, policy version "
+                  f"{summary.version}; held-out accuracy {curve}")
+
+
 @tasks_app.command("load")
 def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with a prompt column."),
                run: str = typer.Option(..., "--run", help="Run to load into (created if new)."),

@@ -66,9 +66,53 @@ class SamplerConfig(Section):
         return self
 
 
+class ModelConfig(Section):
+    """The policy: a local Hugging Face folder (build one with `reservoir model tiny`)."""
+
+    path: Path = Path("models/tiny")
+
+
+class TasksConfig(Section):
+    """Where tasks come from: a file, or a generator for the CPU examples."""
+
+    file: Path | None = None
+    generate: Literal["addition", "reverse", "sort"] | None = "reverse"
+    count: int = Field(default=2000, ge=1)
+    test_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+
+
+class ExplorerConfig(Section):
+    n: int = Field(default=8, ge=1, description="responses per task (the group size)")
+    temperature: float = Field(default=1.0, gt=0)
+    max_tokens: int = Field(default=16, ge=1)
+    tasks_per_step: int = Field(default=8, ge=1)
+    reward: Literal["exact_match", "last_number", "boxed"] = "exact_match"
+
+
+class TrainerConfig(Section):
+    algorithm: Literal["grpo", "grpo-kl", "dr-grpo"] = "grpo"
+    lr: float = Field(default=1e-3, gt=0)
+    batch_groups: int = Field(default=8, ge=1)
+    micro_batch: int = Field(default=16, ge=1)
+    sync_interval: int = Field(default=1, ge=1)
+    steps: int = Field(default=50, ge=1)
+    eval_interval: int = Field(default=10, ge=1)
+
+
+class RunSection(Section):
+    name: str = "run"
+    mode: Literal["sync"] = "sync"
+    seed: int = 0
+
+
 class ReservoirConfig(Section):
     """The whole config file."""
 
+    run: RunSection = RunSection()
+    model: ModelConfig = ModelConfig()
+    tasks: TasksConfig = TasksConfig()
+    explorer: ExplorerConfig = ExplorerConfig()
+    trainer: TrainerConfig = TrainerConfig()
     store: StoreConfig = StoreConfig()
     sampler: SamplerConfig = SamplerConfig()
 

@@ -15,8 +15,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config,
                           Qwen2ForCausalLM, PreTrainedTokenizerFast)
+from transformers.utils import logging as transformers_logging
 
 from reservoir.errors import ConfigError
+
+transformers_logging.disable_progress_bar()  # our own progress display is the one to read
 
 SPECIAL = ["<|pad|>", "<|unk|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (

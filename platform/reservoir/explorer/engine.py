@@ -56,6 +56,7 @@ class TransformersEngine:
     @torch.no_grad()
     def sample(self, prompts: list[str], n: int, *, temperature: float = 1.0,
                max_tokens: int = 32, seed: int | None = None) -> list[list[Sample]]:
+        """n samples per prompt; temperature 0 decodes greedily."""
         if seed is not None:
             torch.manual_seed(seed)
         texts = [chat_prompt(self.tokenizer, prompt) for prompt in prompts]
@@ -68,20 +69,26 @@ class TransformersEngine:
 
     def _sample_chunk(self, texts, n, temperature, max_tokens) -> list[list[Sample]]:
         batch = self.tokenizer(texts, return_tensors="pt", padding=True).to(self.device)
+        greedy = temperature == 0  # then logprobs are those of the unscaled distribution
+        sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)
         out = self.model.generate(
-            **batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+            **batch, do_sample=not greedy, **sampling,
             max_new_tokens=max_tokens, num_return_sequences=n, return_dict_in_generate=True,
             output_logits=True, pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id)
         width = batch["input_ids"].shape[1]
         generated = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1).float() / temperature
+        logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, generated[..., None])[..., 0]
         prompt_rows = batch["input_ids"].repeat_interleave(n, dim=0)
         prompt_mask = batch["attention_mask"].repeat_interleave(n, dim=0).bool()
         rows = [self._to_sample(prompt_rows[i][prompt_mask[i]], generated[i], logprobs[i])
                 for i in range(generated.shape[0])]
         return [rows[i * n:(i + 1) * n] for i in range(len(texts))]
+
+    def _decode(self, ids, **options) -> str:
+        """Text of token ids; NUL, which PostgreSQL text cannot hold, becomes U+FFFD."""
+        return self.tokenizer.decode(ids, **options).replace("\x00", "\ufffd")
 
     def _to_sample(self, prompt_ids, generated, logprobs) -> Sample:
         eos = (generated == self.tokenizer.eos_token_id).nonzero()
@@ -90,6 +97,6 @@ class TransformersEngine:
         return Sample(prompt_ids=prompt_ids.cpu().numpy().astype(np.int32),
                       response_ids=response.cpu().numpy().astype(np.int32),
                       logprobs=logprobs[:length].cpu().numpy().astype(np.float32),
-                      text=self.tokenizer.decode(response, skip_special_tokens=True),
-                      raw_text=self.tokenizer.decode(response, skip_special_tokens=False),
+                      text=self._decode(response, skip_special_tokens=True),
+                      raw_text=self._decode(response, skip_special_tokens=False),
                       finished=bool(len(eos)))

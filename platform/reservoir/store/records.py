@@ -140,6 +140,10 @@ def _finite_number(value: Any) -> bool:
 def _shape_row(exp: Experience, check: _RowChecker) -> _Shaped:
     if not exp.response_text or not exp.response_text.strip():
         check.fail("response_text", exp.response_text, "the response must not be empty")
+    for name in ("prompt_text", "response_text"):
+        if "\x00" in getattr(exp, name):
+            check.fail(name, getattr(exp, name), "PostgreSQL text cannot hold NUL (\\x00) "
+                       "characters; replace them (the token ids keep the exact output)")
     prompt_ids = check.tokens("prompt_ids", exp.prompt_ids, non_empty=False)
     response_ids = check.tokens("response_ids", exp.response_ids, non_empty=True)
     logprobs = check.per_token("logprobs", exp.logprobs, response_ids.size, "f")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from sqlalchemy import Connection, insert
+from sqlalchemy import Connection, insert, select, update
 
 from reservoir.store.schema import tasks
 
@@ -16,3 +16,20 @@ def add_tasks(conn: Connection, run_id: int, rows: Iterable[dict[str, Any]]) -> 
         return []
     return list(conn.execute(insert(tasks).returning(tasks.c.id, sort_by_parameter_order=True),
                              values).scalars())
+
+
+def claim_train_tasks(conn: Connection, run_id: int, n: int) -> list[tuple[int, str, str | None]]:
+    """The n least-explored train tasks (id, prompt, answer), counted as explored once more."""
+    picked = (select(tasks.c.id).where(tasks.c.run_id == run_id, tasks.c.split == "train")
+              .order_by(tasks.c.times_explored, tasks.c.id).limit(n)
+              .with_for_update(skip_locked=True).cte("picked"))
+    stmt = (update(tasks).where(tasks.c.id == picked.c.id)
+            .values(times_explored=tasks.c.times_explored + 1)
+            .returning(tasks.c.id, tasks.c.prompt, tasks.c.answer))
+    return sorted(tuple(row) for row in conn.execute(stmt))
+
+
+def split_tasks(conn: Connection, run_id: int, split: str) -> list[tuple[int, str, str | None]]:
+    stmt = (select(tasks.c.id, tasks.c.prompt, tasks.c.answer)
+            .where(tasks.c.run_id == run_id, tasks.c.split == split).order_by(tasks.c.id))
+    return [tuple(row) for row in conn.execute(stmt)]
