@@ -18,7 +18,7 @@ def test_sync_run_trains_on_policy_through_the_store(tmp_path, db_url):
         "store": {"url": db_url}})
     summary = run_sync(config)
     assert (summary.steps, summary.version) == (3, 3)
-    assert [step for step, _ in summary.accuracy] == [0, 3]
+    assert [step for step, _ in summary.accuracy] == ["start", 3]
     with sync_engine(db_url).connect() as conn:
         steps = conn.execute(text("SELECT step, policy_version, n_experiences FROM train_steps "
                                   "ORDER BY step")).all()

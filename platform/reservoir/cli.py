@@ -204,7 +204,8 @@ def run_command(config: Path = typer.Argument(..., help="Run config YAML.")) -> 
     from reservoir.run import run_sync
 
     summary = run_sync(load_config(config), console)
-    curve = ", ".join(f"step {step}: {accuracy:.2f}" for step, accuracy in summary.accuracy)
+    curve = ", ".join(f"{step if isinstance(step, str) else f'step {step}'}: {accuracy:.2f}"
+                      for step, accuracy in summary.accuracy)
     console.print(f"run {summary.run!r}: {summary.steps} steps, policy version "
                   f"{summary.version}; held-out accuracy {curve}")
 

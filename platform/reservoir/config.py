@@ -97,6 +97,11 @@ class TrainerConfig(Section):
     sync_interval: int = Field(default=1, ge=1)
     steps: int = Field(default=50, ge=1)
     eval_interval: int = Field(default=10, ge=1)
+    warmup_steps: int = Field(default=0, ge=0, description="supervised warm-up steps first")
+    warmup_fraction: float = Field(default=0.5, gt=0, le=1,
+                                   description="share of the train tasks the warm-up sees")
+    warmup_batch: int = Field(default=32, ge=1)
+    warmup_lr: float = Field(default=3e-3, gt=0)
 
 
 class RunSection(Section):

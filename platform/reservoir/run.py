@@ -24,8 +24,9 @@ from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.explorer.workflow import Task, single_turn
 from reservoir.models import load_model
 from reservoir.store import Store
-from reservoir.store.tasks import add_tasks, claim_train_tasks, split_tasks
+from reservoir.store.tasks import add_tasks, claim_train_tasks, mark_explored, split_tasks
 from reservoir.trainer.batch import make_batch
+from reservoir.trainer.sft import warm_up
 from reservoir.trainer.step import PRESETS, train_step
 
 
@@ -34,7 +35,7 @@ class RunSummary:
     run: str
     steps: int = 0
     version: int = 0
-    accuracy: list[tuple[int, float]] = field(default_factory=list)
+    accuracy: list[tuple[int | str, float]] = field(default_factory=list)
 
 
 def _seed(seed: int) -> None:
@@ -81,8 +82,13 @@ def run_sync(config: ReservoirConfig, console: Console | None = None) -> RunSumm
         _load_tasks(store, run_id, config)
         with store.engine.connect() as conn:
             held_out = split_tasks(conn, run_id, "test")
+        summary.accuracy.append(("start", evaluate(engine, held_out, reward, explorer.max_tokens)))
+        if trainer.warmup_steps:
+            _warm_up(store, run_id, policy, tokenizer, config, console)
+            engine.load_state_dict(policy.state_dict())
+            summary.accuracy.append(("warm-up", evaluate(engine, held_out, reward,
+                                                         explorer.max_tokens)))
         store.publish_version(config.run.name, 0, location=str(config.model.path), train_step=0)
-        summary.accuracy.append((0, evaluate(engine, held_out, reward, explorer.max_tokens)))
         columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                    TextColumn("{task.description}"), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
@@ -97,6 +103,20 @@ def run_sync(config: ReservoirConfig, console: Console | None = None) -> RunSumm
                     f"reward {metrics['reward_mean']:.2f}  accuracy "
                     f"{summary.accuracy[-1][1]:.2f}  version {summary.version}"))
     return summary
+
+
+def _warm_up(store, run_id, policy, tokenizer, config, console) -> None:
+    """Supervised warm-up on the first warmup_fraction of the train tasks, which RL then skips."""
+    trainer = config.trainer
+    with store.engine.begin() as conn:
+        train = split_tasks(conn, run_id, "train")
+        seen = train[:max(1, int(len(train) * trainer.warmup_fraction))]
+        mark_explored(conn, [task_id for task_id, _, _ in seen])
+    losses = warm_up(policy, tokenizer, [(prompt, answer or "") for _, prompt, answer in seen],
+                     steps=trainer.warmup_steps, batch_size=trainer.warmup_batch,
+                     lr=trainer.warmup_lr, seed=config.run.seed)
+    console.print(f"supervised warm-up: {trainer.warmup_steps} steps on {len(seen)} tasks, "
+                  f"loss {losses[0]:.2f} -> {losses[-1]:.2f}")
 
 
 def _one_step(store, engine, policy, optimizer, tokenizer, config, run_id, step, summary):

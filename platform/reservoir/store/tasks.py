@@ -33,3 +33,9 @@ def split_tasks(conn: Connection, run_id: int, split: str) -> list[tuple[int, st
     stmt = (select(tasks.c.id, tasks.c.prompt, tasks.c.answer)
             .where(tasks.c.run_id == run_id, tasks.c.split == split).order_by(tasks.c.id))
     return [tuple(row) for row in conn.execute(stmt)]
+
+
+def mark_explored(conn: Connection, task_ids: list[int], times: int = 1_000_000) -> None:
+    """Count tasks as explored `times` over, so claiming reaches them last (warm-up data)."""
+    conn.execute(update(tasks).where(tasks.c.id.in_(task_ids))
+                 .values(times_explored=tasks.c.times_explored + times))
