@@ -210,6 +210,18 @@ def run_command(config: Path = typer.Argument(..., help="Run config YAML.")) -> 
                   f"{summary.version}; held-out accuracy {curve}")
 
 
+@app.command("report")
+def report_command(run: str = typer.Argument(..., help="Run name."),
+                   out: Path = typer.Option(Path("report"), "--out", "-o", help="Folder."),
+                   config: Optional[Path] = ConfigOption) -> None:
+    """PNG plots (reward, accuracy, length, staleness) and an HTML page for a run."""
+    from reservoir.report import write_report
+
+    with _open(config) as store:
+        page = write_report(store.engine, run, out)
+    console.print(f"report for run {run!r}: {page}")
+
+
 @tasks_app.command("load")
 def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with a prompt column."),
                run: str = typer.Option(..., "--run", help="Run to load into (created if new)."),

@@ -24,6 +24,7 @@ from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.explorer.workflow import Task, single_turn
 from reservoir.models import load_model
 from reservoir.store import Store
+from reservoir.store.ledger import add_step_metrics, record_step
 from reservoir.store.tasks import add_tasks, claim_train_tasks, mark_explored, split_tasks
 from reservoir.trainer.batch import make_batch
 from reservoir.trainer.sft import warm_up
@@ -83,11 +84,15 @@ def run_sync(config: ReservoirConfig, console: Console | None = None) -> RunSumm
         with store.engine.connect() as conn:
             held_out = split_tasks(conn, run_id, "test")
         summary.accuracy.append(("start", evaluate(engine, held_out, reward, explorer.max_tokens)))
+        before_rl = {"eval/accuracy_start": summary.accuracy[-1][1]}
         if trainer.warmup_steps:
-            _warm_up(store, run_id, policy, tokenizer, config, console)
+            before_rl |= _warm_up(store, run_id, policy, tokenizer, config, console)
             engine.load_state_dict(policy.state_dict())
             summary.accuracy.append(("warm-up", evaluate(engine, held_out, reward,
                                                          explorer.max_tokens)))
+        with store.engine.begin() as conn:  # step 0: the policy RL starts from
+            record_step(conn, run_id, 0, policy_version=0,
+                        metrics=before_rl | {"eval/accuracy": summary.accuracy[-1][1]})
         store.publish_version(config.run.name, 0, location=str(config.model.path), train_step=0)
         columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                    TextColumn("{task.description}"), TimeElapsedColumn())
@@ -99,13 +104,15 @@ def run_sync(config: ReservoirConfig, console: Console | None = None) -> RunSumm
                 if step % trainer.eval_interval == 0 or step == trainer.steps:
                     accuracy = evaluate(engine, held_out, reward, explorer.max_tokens)
                     summary.accuracy.append((step, accuracy))
+                    with store.engine.begin() as conn:
+                        add_step_metrics(conn, run_id, step, {"eval/accuracy": accuracy})
                 progress.update(bar, advance=1, description=(
                     f"reward {metrics['reward_mean']:.2f}  accuracy "
                     f"{summary.accuracy[-1][1]:.2f}  version {summary.version}"))
     return summary
 
 
-def _warm_up(store, run_id, policy, tokenizer, config, console) -> None:
+def _warm_up(store, run_id, policy, tokenizer, config, console) -> dict[str, float]:
     """Supervised warm-up on the first warmup_fraction of the train tasks, which RL then skips."""
     trainer = config.trainer
     with store.engine.begin() as conn:
@@ -117,6 +124,8 @@ def _warm_up(store, run_id, policy, tokenizer, config, console) -> None:
                      lr=trainer.warmup_lr, seed=config.run.seed)
     console.print(f"supervised warm-up: {trainer.warmup_steps} steps on {len(seen)} tasks, "
                   f"loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    return {"warmup/steps": trainer.warmup_steps, "warmup/tasks": len(seen),
+            "warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]}
 
 
 def _one_step(store, engine, policy, optimizer, tokenizer, config, run_id, step, summary):

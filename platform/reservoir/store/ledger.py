@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from sqlalchemy import bindparam, text
+from sqlalchemy import Connection, bindparam, cast, insert, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -12,6 +12,7 @@ from sqlalchemy.types import BigInteger, Float
 
 from reservoir.errors import LeaseLost, StoreError
 from reservoir.store.sampler import Lease
+from reservoir.store.schema import train_steps
 
 # One statement: the lease's rows become consumed, the step row is inserted, and one ledger row
 # per consumed experience joins the two. It returns one row per ledger entry written.
@@ -74,3 +75,18 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
                 f"step {step}: lease {lease.token} holds {len(written)} of its {len(ids)} rows "
                 "(it expired and was reclaimed); nothing was consumed, lease a new batch")
     return written[0]
+
+
+def record_step(conn: Connection, run_id: int, step: int, *, policy_version: int,
+                metrics: dict[str, Any], loss: float | None = None) -> None:
+    """A train_steps row that consumed no experiences (for example a supervised warm-up)."""
+    conn.execute(insert(train_steps).values(run_id=run_id, step=step, loss=loss,
+                                            policy_version=policy_version, metrics=metrics,
+                                            n_experiences=0))
+
+
+def add_step_metrics(conn: Connection, run_id: int, step: int, metrics: dict[str, Any]) -> None:
+    """Merge metrics measured after a step was committed (for example held-out accuracy)."""
+    conn.execute(update(train_steps)
+                 .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
+                 .values(metrics=train_steps.c.metrics.op("||")(cast(metrics, JSONB))))
