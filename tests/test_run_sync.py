@@ -1,9 +1,12 @@
 """A short sync run on the real store: steps commit their ledger, versions advance, on-policy."""
 
+import pytest
+import torch
 from sqlalchemy import text
 
 from reservoir.config import parse_config
-from reservoir.models import build_tiny_model
+from reservoir.errors import ConfigError
+from reservoir.models import build_tiny_model, load_model
 from reservoir.report import write_report
 from reservoir.run import run_sync
 from reservoir.store.engine import sync_engine
@@ -15,7 +18,8 @@ def test_sync_run_trains_on_policy_through_the_store(tmp_path, db_url):
         "run": {"name": "sync"}, "model": {"path": str(model)},
         "tasks": {"generate": "addition", "count": 60},
         "explorer": {"n": 4, "tasks_per_step": 3, "max_tokens": 6},
-        "trainer": {"steps": 3, "batch_groups": 3, "micro_batch": 6, "eval_interval": 3},
+        "trainer": {"steps": 3, "batch_groups": 3, "micro_batch": 6, "eval_interval": 3,
+                    "checkpoint_dir": str(tmp_path / "checkpoints")},
         "store": {"url": db_url}})
     summary = run_sync(config)
     assert (summary.steps, summary.version) == (3, 3)
@@ -42,7 +46,8 @@ def test_report_writes_plots_and_a_page(tmp_path, db_url):
         "run": {"name": "rep"}, "model": {"path": str(model)},
         "tasks": {"generate": "reverse", "count": 40},
         "explorer": {"n": 2, "tasks_per_step": 2, "max_tokens": 4},
-        "trainer": {"steps": 2, "batch_groups": 2, "micro_batch": 4, "eval_interval": 1},
+        "trainer": {"steps": 2, "batch_groups": 2, "micro_batch": 4, "eval_interval": 1,
+                    "checkpoint_dir": str(tmp_path / "checkpoints")},
         "store": {"url": db_url}})
     run_sync(config)
     page = write_report(sync_engine(db_url), "rep", tmp_path / "report")
@@ -50,3 +55,34 @@ def test_report_writes_plots_and_a_page(tmp_path, db_url):
     assert {p.stem for p in page.parent.glob("*.png")} == names
     assert all((page.parent / f"{name}.png").stat().st_size > 5000 for name in names)
     assert all(f'src="{name}.png"' in page.read_text() for name in names)
+
+
+
+def resume_config(model, db, checkpoints, steps):
+    return parse_config({
+        "run": {"name": "resumable", "seed": 5}, "model": {"path": str(model)},
+        "tasks": {"generate": "addition", "count": 50},
+        "explorer": {"n": 3, "tasks_per_step": 2, "max_tokens": 5},
+        "trainer": {"steps": steps, "batch_groups": 2, "micro_batch": 3, "eval_interval": 10,
+                    "checkpoint_interval": 2, "checkpoint_dir": str(checkpoints), "lr": 0.01},
+        "store": {"url": db}})
+
+
+def test_resume_matches_a_run_never_interrupted(tmp_path, new_database, template_db):
+    model = build_tiny_model(tmp_path / "tiny", seed=2)
+    straight, split = new_database(template_db), new_database(template_db)
+    run_sync(resume_config(model, straight, tmp_path / "a", steps=4))
+    run_sync(resume_config(model, split, tmp_path / "b", steps=2))
+    with pytest.raises(ConfigError, match="already exists"):
+        run_sync(resume_config(model, split, tmp_path / "b", steps=4))
+    resumed = run_sync(resume_config(model, split, tmp_path / "b", steps=4), resume=True)
+    assert (resumed.steps, resumed.version) == (4, 4)
+    final = [load_model(tmp_path / side / "resumable" / "step-000004")[0].state_dict()
+             for side in ("a", "b")]
+    for name, tensor in final[0].items():
+        torch.testing.assert_close(final[1][name], tensor, atol=1e-6, rtol=0, msg=name)
+    for db in (straight, split):
+        with sync_engine(db).connect() as conn:
+            assert conn.execute(text("SELECT array_agg(step ORDER BY step) FROM train_steps")
+                                ).scalar() == [0, 1, 2, 3, 4]
+            assert conn.execute(text("SELECT status FROM runs")).scalar() == "finished"

@@ -199,11 +199,16 @@ def model_tiny(out_dir: Path = typer.Argument(..., help="Folder to write the mod
 
 
 @app.command("run")
-def run_command(config: Path = typer.Argument(..., help="Run config YAML.")) -> None:
+def run_command(config: Path = typer.Argument(..., help="Run config YAML."),
+                resume: bool = typer.Option(False, help="Continue from the last checkpoint.")
+                ) -> None:
     """Run RFT (sync mode, one process): explore, train and publish through the store."""
     from reservoir.run import run_sync
 
-    summary = run_sync(load_config(config), console)
+    try:
+        summary = run_sync(load_config(config), console, resume=resume)
+    except KeyboardInterrupt:
+        sys.exit(130)
     curve = ", ".join(f"{step if isinstance(step, str) else f'step {step}'}: {accuracy:.2f}"
                       for step, accuracy in summary.accuracy)
     console.print(f"run {summary.run!r}: {summary.steps} steps, policy version "

@@ -102,6 +102,8 @@ class TrainerConfig(Section):
                                    description="share of the train tasks the warm-up sees")
     warmup_batch: int = Field(default=32, ge=1)
     warmup_lr: float = Field(default=3e-3, gt=0)
+    checkpoint_interval: int = Field(default=10, ge=1)
+    checkpoint_dir: Path = Path("checkpoints")
 
 
 class RunSection(Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,8 +26,10 @@ from reservoir.explorer.workflow import Task, single_turn
 from reservoir.models import load_model
 from reservoir.store import Store
 from reservoir.store.ledger import add_step_metrics, record_step
+from reservoir.store.runs import run_exists, run_id_of, set_status
 from reservoir.store.tasks import add_tasks, claim_train_tasks, mark_explored, split_tasks
 from reservoir.trainer.batch import make_batch
+from reservoir.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from reservoir.trainer.sft import warm_up
 from reservoir.trainer.step import PRESETS, train_step
 
@@ -68,48 +71,128 @@ def evaluate(engine: TransformersEngine, tasks: list[tuple], reward, max_tokens:
                           for (_, _, answer), group in zip(tasks, samples)]))
 
 
-def run_sync(config: ReservoirConfig, console: Console | None = None) -> RunSummary:
+@dataclass
+class _Session:
+    """What one run keeps alive: the store, the explorer's engine and the trainer's policy."""
+
+    config: ReservoirConfig
+    store: Store
+    engine: TransformersEngine
+    policy: object
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    run_id: int = 0
+    held_out: list = field(default_factory=list)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.config.trainer.checkpoint_dir / self.config.run.name
+
+
+def run_sync(config: ReservoirConfig, console: Console | None = None, *,
+             resume: bool = False) -> RunSummary:
+    """Run (or, with resume, continue from the last checkpoint) a sync RFT run."""
     console = console or Console()
     _seed(config.run.seed)
-    explorer, trainer = config.explorer, config.trainer
     policy, tokenizer = load_model(config.model.path)
-    engine = TransformersEngine(config.model.path)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=trainer.lr)
-    reward = REWARDS.get(explorer.reward)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.trainer.lr)
     summary = RunSummary(config.run.name)
     with Store.open(config) as store:
-        run_id = store.create_run(config.run.name, group_size=explorer.n,
-                                  model=str(config.model.path), config=config.model_dump(mode="json"))
-        _load_tasks(store, run_id, config)
-        with store.engine.connect() as conn:
-            held_out = split_tasks(conn, run_id, "test")
-        summary.accuracy.append(("start", evaluate(engine, held_out, reward, explorer.max_tokens)))
-        before_rl = {"eval/accuracy_start": summary.accuracy[-1][1]}
-        if trainer.warmup_steps:
-            before_rl |= _warm_up(store, run_id, policy, tokenizer, config, console)
-            engine.load_state_dict(policy.state_dict())
-            summary.accuracy.append(("warm-up", evaluate(engine, held_out, reward,
-                                                         explorer.max_tokens)))
-        with store.engine.begin() as conn:  # step 0: the policy RL starts from
-            record_step(conn, run_id, 0, policy_version=0,
-                        metrics=before_rl | {"eval/accuracy": summary.accuracy[-1][1]})
-        store.publish_version(config.run.name, 0, location=str(config.model.path), train_step=0)
-        columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                   TextColumn("{task.description}"), TimeElapsedColumn())
-        with Progress(*columns, console=console) as progress:
-            bar = progress.add_task(f"accuracy {summary.accuracy[-1][1]:.2f}", total=trainer.steps)
-            for step in range(1, trainer.steps + 1):
-                metrics = _one_step(store, engine, policy, optimizer, tokenizer, config, run_id,
-                                    step, summary)
-                if step % trainer.eval_interval == 0 or step == trainer.steps:
-                    accuracy = evaluate(engine, held_out, reward, explorer.max_tokens)
-                    summary.accuracy.append((step, accuracy))
-                    with store.engine.begin() as conn:
-                        add_step_metrics(conn, run_id, step, {"eval/accuracy": accuracy})
-                progress.update(bar, advance=1, description=(
-                    f"reward {metrics['reward_mean']:.2f}  accuracy "
-                    f"{summary.accuracy[-1][1]:.2f}  version {summary.version}"))
+        session = _Session(config, store, TransformersEngine(config.model.path), policy,
+                           tokenizer, optimizer)
+        first = _resume(session, summary, console) if resume else _start(session, summary,
+                                                                           console)
+        with store.engine.begin() as conn:
+            set_status(conn, session.run_id, "running")
+        try:
+            _train(session, summary, first, console)
+        except KeyboardInterrupt:
+            save_checkpoint(session.checkpoints, summary.steps, summary.version, policy, optimizer)
+            with store.engine.begin() as conn:
+                set_status(conn, session.run_id, "stopped")
+            console.print(f"stopped after step {summary.steps}; checkpoint saved, resume with "
+                          "`reservoir run CONFIG --resume`")
+            raise
+        with store.engine.begin() as conn:
+            set_status(conn, session.run_id, "finished")
     return summary
+
+
+def _start(session: _Session, summary: RunSummary, console: Console) -> int:
+    """Create the run, load its tasks, measure and warm up the start policy; first step: 1."""
+    config, store = session.config, session.store
+    with store.engine.begin() as conn:
+        if run_exists(conn, config.run.name):
+            raise ConfigError(f"run.name: a run {config.run.name!r} already exists; choose "
+                              "another name or continue it with --resume")
+    session.run_id = store.create_run(config.run.name, group_size=config.explorer.n,
+                                      model=str(config.model.path),
+                                      config=config.model_dump(mode="json"))
+    _load_tasks(store, session.run_id, config)
+    session.held_out = _held_out(session)
+    summary.accuracy.append(("start", _evaluate(session)))
+    before_rl = {"eval/accuracy_start": summary.accuracy[-1][1]}
+    if config.trainer.warmup_steps:
+        before_rl |= _warm_up(store, session.run_id, session.policy, session.tokenizer, config,
+                              console)
+        session.engine.load_state_dict(session.policy.state_dict())
+        summary.accuracy.append(("warm-up", _evaluate(session)))
+    with store.engine.begin() as conn:  # step 0: the policy RL starts from
+        record_step(conn, session.run_id, 0, policy_version=0,
+                    metrics=before_rl | {"eval/accuracy": summary.accuracy[-1][1]})
+    store.publish_version(config.run.name, 0, location=str(config.model.path), train_step=0)
+    return 1
+
+
+def _resume(session: _Session, summary: RunSummary, console: Console) -> int:
+    """Reload the last checkpoint (weights, optimizer, RNG); first step: the one after it."""
+    checkpoint = latest_checkpoint(session.checkpoints)
+    if checkpoint is None:
+        raise ConfigError(f"--resume: no checkpoint under {session.checkpoints}")
+    resumed = load_checkpoint(checkpoint, session.policy, session.optimizer)
+    session.engine.load_state_dict(session.policy.state_dict())
+    with session.store.engine.connect() as conn:
+        session.run_id = run_id_of(conn, session.config.run.name)
+    session.held_out = _held_out(session)
+    summary.steps, summary.version = resumed.step, resumed.version
+    console.print(f"resumed run {summary.run!r} from {checkpoint} (step {resumed.step}, "
+                  f"policy version {resumed.version})")
+    return resumed.step + 1
+
+
+def _held_out(session: _Session) -> list[tuple]:
+    with session.store.engine.connect() as conn:
+        return split_tasks(conn, session.run_id, "test")
+
+
+def _evaluate(session: _Session) -> float:
+    explorer = session.config.explorer
+    return evaluate(session.engine, session.held_out, REWARDS.get(explorer.reward),
+                    explorer.max_tokens)
+
+
+def _train(session: _Session, summary: RunSummary, first: int, console: Console) -> None:
+    trainer = session.config.trainer
+    columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+               TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("", total=trainer.steps, completed=first - 1)
+        for step in range(first, trainer.steps + 1):
+            metrics = _one_step(session.store, session.engine, session.policy,
+                                session.optimizer, session.tokenizer, session.config,
+                                session.run_id, step, summary)
+            if step % trainer.eval_interval == 0 or step == trainer.steps:
+                summary.accuracy.append((step, _evaluate(session)))
+                with session.store.engine.begin() as conn:
+                    add_step_metrics(conn, session.run_id, step,
+                                     {"eval/accuracy": summary.accuracy[-1][1]})
+            if step % trainer.checkpoint_interval == 0 or step == trainer.steps:
+                save_checkpoint(session.checkpoints, step, summary.version, session.policy,
+                                session.optimizer)
+            accuracy = summary.accuracy[-1][1] if summary.accuracy else float("nan")
+            progress.update(bar, advance=1, description=(
+                f"reward {metrics['reward_mean']:.2f}  accuracy {accuracy:.2f}  "
+                f"version {summary.version}"))
 
 
 def _warm_up(store, run_id, policy, tokenizer, config, console) -> dict[str, float]:

@@ -1,0 +1,73 @@
+"""Checkpoints: model weights, optimizer state, RNG states and the step, so a run resumes exactly.
+
+Layout of `DIR/step-000042/`: the model as `save_pretrained` writes it (safetensors),
+`trainer.pt` (optimizer state and torch RNG state: tensors and numbers only, loaded with
+`weights_only=True`), `state.json` (step, policy version, Python and numpy RNG states).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from reservoir.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int
+    version: int
+
+
+def save_checkpoint(root: Path, step: int, version: int, model, optimizer) -> Path:
+    """Write a complete checkpoint atomically (a temporary folder renamed into place)."""
+    final = Path(root) / f"step-{step:06d}"
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()},
+               partial / "trainer.pt")
+    numpy_state = np.random.get_state()
+    (partial / "state.json").write_text(json.dumps({
+        "step": step, "version": version,
+        "python_rng": _jsonable(random.getstate()),
+        "numpy_rng": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }))
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = sorted(p for p in Path(root).glob("step-*") if not p.name.endswith(".partial"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, model, optimizer) -> Resumed:
+    """Restore weights, optimizer and RNG states in place; return where the run stood."""
+    if not (path / "state.json").is_file():
+        raise ConfigError(f"{path} is not a complete checkpoint (no state.json)")
+    state = json.loads((path / "state.json").read_text())
+    weights = type(model).from_pretrained(path, local_files_only=True).state_dict()
+    model.load_state_dict(weights)
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    optimizer.load_state_dict(trainer["optimizer"])
+    torch.set_rng_state(trainer["torch_rng"])
+    random.setstate(_tupled(state["python_rng"]))
+    kind, keys, *rest = state["numpy_rng"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    return Resumed(step=state["step"], version=state["version"])
+
+
+def _jsonable(value):
+    return [_jsonable(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tupled(value):
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
