@@ -133,8 +133,7 @@ def _start(session: _Session, summary: RunSummary, console: Console) -> int:
     summary.accuracy.append(("start", _evaluate(session)))
     before_rl = {"eval/accuracy_start": summary.accuracy[-1][1]}
     if config.trainer.warmup_steps:
-        before_rl |= _warm_up(store, session.run_id, session.policy, session.tokenizer, config,
-                              console)
+        before_rl |= _warm_up(session, console)
         session.engine.load_state_dict(session.policy.state_dict())
         summary.accuracy.append(("warm-up", _evaluate(session)))
     with store.engine.begin() as conn:  # step 0: the policy RL starts from
@@ -178,9 +177,7 @@ def _train(session: _Session, summary: RunSummary, first: int, console: Console)
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("", total=trainer.steps, completed=first - 1)
         for step in range(first, trainer.steps + 1):
-            metrics = _one_step(session.store, session.engine, session.policy,
-                                session.optimizer, session.tokenizer, session.config,
-                                session.run_id, step, summary)
+            metrics = _one_step(session, step, summary)
             if step % trainer.eval_interval == 0 or step == trainer.steps:
                 summary.accuracy.append((step, _evaluate(session)))
                 with session.store.engine.begin() as conn:
@@ -195,14 +192,15 @@ def _train(session: _Session, summary: RunSummary, first: int, console: Console)
                 f"version {summary.version}"))
 
 
-def _warm_up(store, run_id, policy, tokenizer, config, console) -> dict[str, float]:
+def _warm_up(session: _Session, console: Console) -> dict[str, float]:
     """Supervised warm-up on the first warmup_fraction of the train tasks, which RL then skips."""
-    trainer = config.trainer
-    with store.engine.begin() as conn:
-        train = split_tasks(conn, run_id, "train")
+    config, trainer = session.config, session.config.trainer
+    with session.store.engine.begin() as conn:
+        train = split_tasks(conn, session.run_id, "train")
         seen = train[:max(1, int(len(train) * trainer.warmup_fraction))]
         mark_explored(conn, [task_id for task_id, _, _ in seen])
-    losses = warm_up(policy, tokenizer, [(prompt, answer or "") for _, prompt, answer in seen],
+    losses = warm_up(session.policy, session.tokenizer,
+                     [(prompt, answer or "") for _, prompt, answer in seen],
                      steps=trainer.warmup_steps, batch_size=trainer.warmup_batch,
                      lr=trainer.warmup_lr, seed=config.run.seed)
     console.print(f"supervised warm-up: {trainer.warmup_steps} steps on {len(seen)} tasks, "
@@ -211,24 +209,26 @@ def _warm_up(store, run_id, policy, tokenizer, config, console) -> dict[str, flo
             "warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]}
 
 
-def _one_step(store, engine, policy, optimizer, tokenizer, config, run_id, step, summary):
+def _one_step(session: _Session, step: int, summary: RunSummary) -> dict[str, float]:
+    """Explore one batch of tasks, train on a leased batch, commit; publish every sync_interval."""
+    config, store, engine = session.config, session.store, session.engine
     explorer, trainer = config.explorer, config.trainer
     with store.engine.begin() as conn:
-        claimed = claim_train_tasks(conn, run_id, explorer.tasks_per_step)
+        claimed = claim_train_tasks(conn, session.run_id, explorer.tasks_per_step)
     single_turn(engine, store, config.run.name,
                 [Task(task_id, prompt, answer or "") for task_id, prompt, answer in claimed],
                 n=explorer.n, rewards=[REWARDS.get(explorer.reward)],
                 policy_version=summary.version, temperature=explorer.temperature,
                 max_tokens=explorer.max_tokens)
     lease = store.lease(config.run.name, groups=trainer.batch_groups, allow_partial=True)
-    batch = make_batch(lease.rows, tokenizer.pad_token_id)
-    metrics = train_step(policy, optimizer, batch, PRESETS[trainer.algorithm],
+    batch = make_batch(lease.rows, session.tokenizer.pad_token_id)
+    metrics = train_step(session.policy, session.optimizer, batch, PRESETS[trainer.algorithm],
                          micro_batch=trainer.micro_batch, temperature=explorer.temperature)
     store.commit_step(lease, step=step, policy_version=summary.version, loss=metrics["loss"],
                       metrics=metrics)
     summary.steps = step
     if step % trainer.sync_interval == 0:
         summary.version += 1
-        engine.load_state_dict(policy.state_dict())
+        engine.load_state_dict(session.policy.state_dict())
         store.publish_version(config.run.name, summary.version, location=None, train_step=step)
     return metrics
