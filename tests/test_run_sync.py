@@ -86,3 +86,13 @@ def test_resume_matches_a_run_never_interrupted(tmp_path, new_database, template
             assert conn.execute(text("SELECT array_agg(step ORDER BY step) FROM train_steps")
                                 ).scalar() == [0, 1, 2, 3, 4]
             assert conn.execute(text("SELECT status FROM runs")).scalar() == "finished"
+
+
+def test_bad_run_configs_name_the_key(tmp_path, db_url):
+    with pytest.raises(ConfigError, match=r"model.path: .*nowhere is not a model folder"):
+        run_sync(parse_config({"model": {"path": str(tmp_path / "nowhere")},
+                               "store": {"url": db_url}}))
+    with pytest.raises(ConfigError, match=r"trainer.stepz: unknown key; did you mean 'steps'"):
+        parse_config({"trainer": {"stepz": 3}})
+    with pytest.raises(ConfigError, match=r"explorer.n: Input should be a valid integer"):
+        parse_config({"explorer": {"n": "eight"}})

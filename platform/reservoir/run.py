@@ -93,6 +93,10 @@ def run_sync(config: ReservoirConfig, console: Console | None = None, *,
              resume: bool = False) -> RunSummary:
     """Run (or, with resume, continue from the last checkpoint) a sync RFT run."""
     console = console or Console()
+    if not (Path(config.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path: {config.model.path} is not a model folder (no "
+                          "config.json); build one with `reservoir model tiny "
+                          f"{config.model.path}`")
     _seed(config.run.seed)
     policy, tokenizer = load_model(config.model.path)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.trainer.lr)
