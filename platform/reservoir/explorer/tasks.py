@@ -83,30 +83,33 @@ def _word(rng: random.Random, low: int, high: int) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(low, high)))
 
 
-def reverse(n: int, *, seed: int = 0, min_length: int = 3, max_length: int = 6,
-            test_fraction: float = 0.1) -> list[dict[str, Any]]:
-    """'Reverse: abc' with 'cba' as answer: a rule to generalise, not facts to memorise."""
+def _word_tasks(n: int, *, seed: int, min_length: int, max_length: int, test_fraction: float,
+                verb: str, solve: Callable[[str], str], source: str) -> list[dict[str, Any]]:
+    """'<verb>: <random word>' tasks whose answer is solve(word)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         word = _word(rng, min_length, max_length)
-        rows.append({"prompt": f"Reverse: {word}", "answer": word[::-1],
-                     "split": _split(rng, test_fraction), "source": "reverse",
+        rows.append({"prompt": f"{verb}: {word}", "answer": solve(word),
+                     "split": _split(rng, test_fraction), "source": source,
                      "payload": {"word": word}})
     return rows
+
+
+def reverse(n: int, *, seed: int = 0, min_length: int = 3, max_length: int = 6,
+            test_fraction: float = 0.1) -> list[dict[str, Any]]:
+    """'Reverse: abc' with 'cba' as answer: a rule to generalise, not facts to memorise."""
+    return _word_tasks(n, seed=seed, min_length=min_length, max_length=max_length,
+                       test_fraction=test_fraction, verb="Reverse", solve=lambda w: w[::-1],
+                       source="reverse")
 
 
 def sort_letters(n: int, *, seed: int = 0, min_length: int = 3, max_length: int = 6,
                  test_fraction: float = 0.1) -> list[dict[str, Any]]:
     """'Sort: dcab' with 'abcd' as answer."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        word = _word(rng, min_length, max_length)
-        rows.append({"prompt": f"Sort: {word}", "answer": "".join(sorted(word)),
-                     "split": _split(rng, test_fraction), "source": "sort",
-                     "payload": {"word": word}})
-    return rows
+    return _word_tasks(n, seed=seed, min_length=min_length, max_length=max_length,
+                       test_fraction=test_fraction, verb="Sort",
+                       solve=lambda w: "".join(sorted(w)), source="sort")
 
 
 GENERATORS: dict[str, Callable[..., list[dict[str, Any]]]] = {

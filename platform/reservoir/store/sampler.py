@@ -225,11 +225,10 @@ async def renew(engine: AsyncEngine, lease: Lease, seconds: float) -> datetime:
     return until[0]
 
 
-async def _check_min_ready(conn: AsyncConnection, run_ids, flow: SamplerConfig) -> None:
-    if flow.min_ready <= 1:
-        return
-    inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
-    if sampled > 0:
+async def _check_min_ready(conn: AsyncConnection, run_ids, flow: SamplerConfig,
+                           sampled: int) -> None:
+    """Before a run's first lease (nothing sampled yet), wait for min_ready ready rows."""
+    if flow.min_ready <= 1 or sampled > 0:
         return
     ready = (select(literal(1)).where(e.c.run_id.in_(run_ids), status_in(e.c.status, ["ready"]))
              .limit(flow.min_ready).subquery())
@@ -245,8 +244,9 @@ async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min
     if flow.samples_per_insert is not None:
         limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready)
         await conn.execute(runs.lock(list(run_ids)))
+    if limit is not None or flow.min_ready > 1:  # one read of the counters serves both checks
         inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
-    await _check_min_ready(conn, run_ids, flow)
+        await _check_min_ready(conn, run_ids, flow, sampled)
     token = uuid.uuid4()
     stmt = lease_statement("rows" if rows is not None else "groups", flow,
                            min_policy_version is not None)
