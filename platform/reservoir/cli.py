@@ -198,21 +198,54 @@ def model_tiny(out_dir: Path = typer.Argument(..., help="Folder to write the mod
     console.print(f"tiny Qwen2 ({layers} layers, seed {seed}) saved to {path}")
 
 
-@app.command("run")
-def run_command(config: Path = typer.Argument(..., help="Run config YAML."),
-                resume: bool = typer.Option(False, help="Continue from the last checkpoint.")
-                ) -> None:
-    """Run RFT (sync mode, one process): explore, train and publish through the store."""
-    from reservoir.run import run_sync
-
-    try:
-        summary = run_sync(load_config(config), console, resume=resume)
-    except KeyboardInterrupt:
-        sys.exit(130)
+def _print_summary(summary) -> None:
     curve = ", ".join(f"{step if isinstance(step, str) else f'step {step}'}: {accuracy:.2f}"
                       for step, accuracy in summary.accuracy)
     console.print(f"run {summary.run!r}: {summary.steps} steps, policy version "
                   f"{summary.version}; held-out accuracy {curve}")
+
+
+ResumeOption = typer.Option(False, help="Continue from the last checkpoint.")
+
+
+@app.command("run")
+def run_command(config: Path = typer.Argument(..., help="Run config YAML."),
+                resume: bool = ResumeOption) -> None:
+    """Run RFT: a trainer and explorer workers (Ray) meeting in the store, shown live."""
+    from reservoir import pool
+
+    summary = pool.run(load_config(config), resume=resume, console=console)
+    _print_summary(summary)
+    if summary.stopped:
+        sys.exit(130)
+
+
+@app.command("explore")
+def explore_command(config: Path = typer.Argument(..., help="Run config YAML."),
+                    workers: Optional[int] = typer.Option(
+                        None, help="Explorer workers (default: explorer.workers).")) -> None:
+    """Explorers only: claim tasks, write groups, follow published policies until the run ends."""
+    from reservoir import pool
+
+    loaded = load_config(config)
+    if workers is not None:
+        loaded = loaded.model_copy(update={
+            "explorer": loaded.explorer.model_copy(update={"workers": workers})})
+    for stats in pool.explore(loaded, console=console):
+        console.print(f"{stats.worker}: {stats.groups} groups, "
+                      f"{stats.versions_loaded} policy versions loaded")
+
+
+@app.command("train")
+def train_command(config: Path = typer.Argument(..., help="Run config YAML."),
+                  resume: bool = ResumeOption) -> None:
+    """The trainer only: lease, train, commit, publish; explorers run elsewhere."""
+    from reservoir import pool
+
+    summary = pool.train(load_config(config), resume=resume, console=console)
+    _print_summary(summary)
+    if summary.stopped:
+        sys.exit(130)
 
 
 @app.command("report")

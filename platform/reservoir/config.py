@@ -85,8 +85,14 @@ class ExplorerConfig(Section):
     n: int = Field(default=8, ge=1, description="responses per task (the group size)")
     temperature: float = Field(default=1.0, gt=0)
     max_tokens: int = Field(default=16, ge=1)
-    tasks_per_step: int = Field(default=8, ge=1)
+    batch_tasks: int = Field(default=8, ge=1,
+                             description="tasks a worker claims and samples in one batch")
     reward: Literal["exact_match", "last_number", "boxed"] = "exact_match"
+    workers: int = Field(default=1, ge=1, description="explorer workers (Ray actors)")
+    claim_seconds: float = Field(default=300.0, gt=0,
+                                 description="a dead worker's tasks are claimed again after this")
+    threads: int | None = Field(default=None, ge=1,
+                                description="torch threads per worker; unset: every core")
 
 
 class TrainerConfig(Section):
@@ -104,12 +110,20 @@ class TrainerConfig(Section):
     warmup_lr: float = Field(default=3e-3, gt=0)
     checkpoint_interval: int = Field(default=10, ge=1)
     checkpoint_dir: Path = Path("checkpoints")
+    threads: int | None = Field(default=None, ge=1,
+                                description="torch threads; unset: every core")
+    wait_timeout_s: float = Field(default=1800.0, gt=0,
+                                  description="fail the run if no batch arrives for this long")
 
 
 class RunSection(Section):
     name: str = "run"
-    mode: Literal["sync"] = "sync"
+    mode: Literal["sync", "async"] = Field(
+        default="sync", description="sync: on-policy; async: explorers run ahead by at most "
+        "sampler.max_staleness policy versions")
     seed: int = 0
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster to run the worker pools on; unset: local Ray")
 
 
 class ReservoirConfig(Section):
@@ -122,6 +136,18 @@ class ReservoirConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     store: StoreConfig = StoreConfig()
     sampler: SamplerConfig = SamplerConfig()
+
+    @model_validator(mode="after")
+    def _async_needs_staleness(self) -> ReservoirConfig:
+        if self.run.mode == "async" and self.sampler.max_staleness is None:
+            raise ValueError("run.mode is async but sampler.max_staleness is unset: set how "
+                             "many policy versions explorers may run ahead (e.g. 1)")
+        return self
+
+    @property
+    def staleness(self) -> int:
+        """Policy versions a trained row may lag the trainer by: 0 in sync mode."""
+        return 0 if self.run.mode == "sync" else self.sampler.max_staleness
 
 
 def load_config(path: Path | str | None) -> ReservoirConfig:

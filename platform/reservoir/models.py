@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_model as load_safetensors, save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config,
                           Qwen2ForCausalLM, PreTrainedTokenizerFast)
@@ -91,3 +92,18 @@ def load_model(path: Path, *, dtype: torch.dtype = torch.float32):
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     return model, tokenizer
+
+
+def save_weights(model, path: Path) -> Path:
+    """Write the model's weights as one safetensors file (tied weights stored once)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_model(model, str(partial))
+    partial.rename(path)
+    return path
+
+
+def load_weights(model, path: Path) -> None:
+    """Load weights written by `save_weights` into `model` in place."""
+    load_safetensors(model, str(path), device=str(next(model.parameters()).device))

@@ -44,8 +44,18 @@ class TransformersEngine:
     """Hugging Face transformers `generate` on CPU or GPU, batched, with the KV cache."""
 
     def __init__(self, model_path: Path, *, device: str = "cpu", batch_size: int = 64):
-        self.model, self.tokenizer = load_model(model_path)
-        self.model.to(device).eval()
+        model, tokenizer = load_model(model_path)
+        self._take(model.to(device).eval(), tokenizer, device, batch_size)
+
+    @classmethod
+    def of(cls, model, tokenizer, *, batch_size: int = 64) -> "TransformersEngine":
+        """An engine over a model already in memory (the trainer's, to evaluate it)."""
+        engine = cls.__new__(cls)
+        engine._take(model, tokenizer, str(next(model.parameters()).device), batch_size)
+        return engine
+
+    def _take(self, model, tokenizer, device: str, batch_size: int) -> None:
+        self.model, self.tokenizer = model, tokenizer
         self.device, self.batch_size = device, batch_size
         self.tokenizer.padding_side = "left"
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
-from sqlalchemy import Connection, bindparam, cast, insert, text, update
+from sqlalchemy import Connection, bindparam, cast, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -12,7 +13,7 @@ from sqlalchemy.types import BigInteger, Float
 
 from reservoir.errors import LeaseLost, StoreError
 from reservoir.store.sampler import Lease
-from reservoir.store.schema import train_steps
+from reservoir.store.schema import batch_items, train_steps
 
 # One statement: the lease's rows become consumed, the step row is inserted, and one ledger row
 # per consumed experience joins the two. It returns one row per ledger entry written.
@@ -43,6 +44,12 @@ RETURNING train_step_id
 )
 
 
+def finite(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics as JSON can hold them: NaN and infinities become null."""
+    return {name: None if isinstance(value, float) and not math.isfinite(value) else value
+            for name, value in metrics.items()}
+
+
 async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: int,
                       policy_version: int, loss: float | None = None,
                       metrics: dict[str, Any] | None = None,
@@ -58,7 +65,7 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
     if weights is not None and len(weights) != len(ids):
         raise StoreError(f"commit_step: {len(weights)} weights for {len(ids)} leased rows")
     params = dict(token=lease.token, run_id=run_id, step=step, policy_version=policy_version,
-                  loss=loss, metrics=metrics or {}, n_experiences=len(ids), ids=ids,
+                  loss=loss, metrics=finite(metrics or {}), n_experiences=len(ids), ids=ids,
                   weights=[float(w) for w in weights] if weights is not None else [1.0] * len(ids))
     async with engine.begin() as conn:
         try:
@@ -81,7 +88,7 @@ def record_step(conn: Connection, run_id: int, step: int, *, policy_version: int
                 metrics: dict[str, Any], loss: float | None = None) -> None:
     """A train_steps row that consumed no experiences (for example a supervised warm-up)."""
     conn.execute(insert(train_steps).values(run_id=run_id, step=step, loss=loss,
-                                            policy_version=policy_version, metrics=metrics,
+                                            policy_version=policy_version, metrics=finite(metrics),
                                             n_experiences=0))
 
 
@@ -89,4 +96,18 @@ def add_step_metrics(conn: Connection, run_id: int, step: int, metrics: dict[str
     """Merge metrics measured after a step was committed (for example held-out accuracy)."""
     conn.execute(update(train_steps)
                  .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
-                 .values(metrics=train_steps.c.metrics.op("||")(cast(metrics, JSONB))))
+                 .values(metrics=train_steps.c.metrics.op("||")(cast(finite(metrics), JSONB))))
+
+
+def step_experiences(conn: Connection, run_id: int, step: int) -> list[int]:
+    """Ids of the experiences a committed step trained on, in id order."""
+    stmt = (select(batch_items.c.experience_id).join(train_steps)
+            .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
+            .order_by(batch_items.c.experience_id))
+    return list(conn.execute(stmt).scalars())
+
+
+def last_step(conn: Connection, run_id: int) -> int | None:
+    """The run's last committed step (0 is the step RL starts from), None before any."""
+    return conn.execute(select(func.max(train_steps.c.step))
+                        .where(train_steps.c.run_id == run_id)).scalar()

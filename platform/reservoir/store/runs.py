@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, func, insert, select, update
+from sqlalchemy import BigInteger, Connection, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.errors import StoreError
@@ -64,10 +64,32 @@ def set_status(conn: Connection, run_id: int, status: str) -> None:
                  .values(status=status, updated_at=func.now()))
 
 
+POLICY_CHANNEL = "reservoir_policy"  # NOTIFY payload: "<run id>:<version>"
+
+
 def publish_version(conn: Connection, run_id: int, version: int, *, location: str | None,
-                    train_step: int | None) -> None:
-    conn.execute(insert(policy_versions).values(run_id=run_id, version=version,
-                                                location=location, train_step=train_step))
+                    train_step: int | None) -> bool:
+    """Record a policy version and notify listeners; False if it was already published."""
+    stmt = (pg_insert(policy_versions)
+            .values(run_id=run_id, version=version, location=location, train_step=train_step)
+            .on_conflict_do_nothing(constraint="policy_versions_run_version")
+            .returning(policy_versions.c.id))
+    if conn.execute(stmt).first() is None:
+        return False
+    conn.execute(select(func.pg_notify(POLICY_CHANNEL, f"{run_id}:{version}")))
+    return True
+
+
+def latest_policy(conn: Connection, run_id: int) -> tuple[int, str | None] | None:
+    """(version, weights location) of the run's latest published policy; None before any."""
+    row = conn.execute(select(policy_versions.c.version, policy_versions.c.location)
+                       .where(policy_versions.c.run_id == run_id)
+                       .order_by(policy_versions.c.version.desc()).limit(1)).first()
+    return None if row is None else (row.version, row.location)
+
+
+def status_of(conn: Connection, run_id: int) -> str:
+    return conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar_one()
 
 
 def latest_version(run_id_column):

@@ -211,6 +211,26 @@ async def release(engine: AsyncEngine, lease: Lease) -> int:
         return (await conn.execute(RELEASE, {"token": lease.token})).scalar()
 
 
+async def release_runs(engine: AsyncEngine, run_ids: Sequence[int]) -> int:
+    """Hand back every row these runs have leased, whoever holds it; returns how many.
+
+    For a trainer resuming after a crash: the run's only trainer is the caller, so any lease
+    still held is one it lost when it died.
+    """
+    statement = _give_back_statement(and_(status_in(e.c.status, ["leased"]),
+                                          e.c.run_id.in_(list(run_ids))))
+    async with engine.begin() as conn:
+        return (await conn.execute(statement)).scalar()
+
+
+async def fetch(engine: AsyncEngine, ids: Sequence[int]) -> list[LeasedExperience]:
+    """Rows by id, in id order, as a lease carries them (for replaying a committed step)."""
+    async with engine.connect() as conn:
+        result = await conn.execute(select(*RETURNED[:12]).where(e.c.id.in_(list(ids)))
+                                    .order_by(e.c.id))
+        return [_to_leased(row) for row in result]
+
+
 async def renew(engine: AsyncEngine, lease: Lease, seconds: float) -> datetime:
     """Push a lease's expiry to now + seconds; LeaseLost if it was already reclaimed."""
     async with engine.begin() as conn:

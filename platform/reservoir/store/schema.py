@@ -67,8 +67,13 @@ tasks = Table(
     Column("difficulty", Float),
     Column("priority", Float, nullable=False, server_default="0"),
     Column("times_explored", Integer, nullable=False, server_default="0"),
+    Column("claim_token", UUID(as_uuid=True)),
+    Column("claimed_by", Text),
+    Column("claimed_until", DateTime(timezone=True)),
     _now(),
     Index("tasks_run_split", "run_id", "split"),
+    Index("tasks_claim_order", "run_id", "split", "times_explored", "id"),
+    Index("tasks_claimed", "run_id", "claimed_until", postgresql_where=text("claim_token IS NOT NULL")),
 )
 
 policy_versions = Table(

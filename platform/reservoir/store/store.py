@@ -74,6 +74,12 @@ class AsyncStore:
     async def release(self, lease: Lease) -> int:
         return await sampler.release(self.engine, lease)
 
+    async def release_runs(self, run: str | Sequence[str]) -> int:
+        return await sampler.release_runs(self.engine, self.run_ids(run))
+
+    async def fetch(self, ids: Sequence[int]) -> list[sampler.LeasedExperience]:
+        return await sampler.fetch(self.engine, ids)
+
     async def renew(self, lease: Lease, seconds: float | None = None):
         return await sampler.renew(self.engine, lease, seconds or self.flow.lease_seconds)
 
@@ -128,15 +134,17 @@ class Store:
                                    config=config, exist_ok=exist_ok)
 
     def publish_version(self, run: str, version: int, *, location: str | None = None,
-                        train_step: int | None = None) -> None:
+                        train_step: int | None = None) -> bool:
         with self.engine.begin() as conn:
-            runs.publish_version(conn, self.aio.run_ids(run)[0], version, location=location,
+            return runs.publish_version(conn, self.aio.run_ids(run)[0], version, location=location,
                                  train_step=train_step)
 
     write_groups = _blocking(AsyncStore.write_groups)
     lease = _blocking(AsyncStore.lease)
     commit_step = _blocking(AsyncStore.commit_step)
     release = _blocking(AsyncStore.release)
+    release_runs = _blocking(AsyncStore.release_runs)
+    fetch = _blocking(AsyncStore.fetch)
     renew = _blocking(AsyncStore.renew)
     reclaim_expired = _blocking(AsyncStore.reclaim_expired)
     retire = _blocking(AsyncStore.retire)

@@ -1,12 +1,21 @@
-"""Queries on tasks: the prompts explorers work on."""
+"""Queries on tasks: the prompts explorers work on, and the claims explorer workers hold.
+
+A worker claims tasks (a token, its name, an expiry), explores them, writes their groups and
+then finishes the claim, which counts each task as explored once more. A worker that dies
+leaves claims that expire; the tasks are claimed again, least explored first.
+"""
 
 from __future__ import annotations
 
+import uuid
+from datetime import timedelta
 from typing import Any, Iterable
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, func, insert, or_, select, update
 
 from reservoir.store.schema import tasks
+
+Claimed = tuple[int, str, str | None]  # id, prompt, answer
 
 
 def add_tasks(conn: Connection, run_id: int, rows: Iterable[dict[str, Any]]) -> list[int]:
@@ -18,18 +27,43 @@ def add_tasks(conn: Connection, run_id: int, rows: Iterable[dict[str, Any]]) -> 
                              values).scalars())
 
 
-def claim_train_tasks(conn: Connection, run_id: int, n: int) -> list[tuple[int, str, str | None]]:
-    """The n least-explored train tasks (id, prompt, answer), counted as explored once more."""
-    picked = (select(tasks.c.id).where(tasks.c.run_id == run_id, tasks.c.split == "train")
-              .order_by(tasks.c.times_explored, tasks.c.id).limit(n)
+def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, worker: str,
+                seconds: float) -> list[Claimed]:
+    """Claim up to `want` unclaimed (or expired) train tasks, least explored first.
+
+    Explorers first read their budget with `pace.claim_budget` in the same transaction: it
+    holds the run's row lock, so concurrent workers cannot overshoot it.
+    """
+    if want <= 0:
+        return []
+    free = or_(tasks.c.claim_token.is_(None), tasks.c.claimed_until < func.now())
+    picked = (select(tasks.c.id)
+              .where(tasks.c.run_id == run_id, tasks.c.split == "train", free)
+              .order_by(tasks.c.times_explored, tasks.c.id).limit(want)
               .with_for_update(skip_locked=True).cte("picked"))
     stmt = (update(tasks).where(tasks.c.id == picked.c.id)
-            .values(times_explored=tasks.c.times_explored + 1)
+            .values(claim_token=token, claimed_by=worker,
+                    claimed_until=func.now() + timedelta(seconds=seconds))
             .returning(tasks.c.id, tasks.c.prompt, tasks.c.answer))
     return sorted(tuple(row) for row in conn.execute(stmt))
 
 
-def split_tasks(conn: Connection, run_id: int, split: str) -> list[tuple[int, str, str | None]]:
+def finish_claims(conn: Connection, token: uuid.UUID, task_ids: list[int]) -> int:
+    """The groups of these tasks are written: clear their claims, count them explored."""
+    stmt = (update(tasks).where(tasks.c.id.in_(task_ids), tasks.c.claim_token == token)
+            .values(times_explored=tasks.c.times_explored + 1, claim_token=None,
+                    claimed_by=None, claimed_until=None))
+    return conn.execute(stmt).rowcount
+
+
+def release_claims(conn: Connection, token: uuid.UUID) -> int:
+    """Give back every task this claim token still holds, unexplored."""
+    stmt = (update(tasks).where(tasks.c.claim_token == token)
+            .values(claim_token=None, claimed_by=None, claimed_until=None))
+    return conn.execute(stmt).rowcount
+
+
+def split_tasks(conn: Connection, run_id: int, split: str) -> list[Claimed]:
     stmt = (select(tasks.c.id, tasks.c.prompt, tasks.c.answer)
             .where(tasks.c.run_id == run_id, tasks.c.split == split).order_by(tasks.c.id))
     return [tuple(row) for row in conn.execute(stmt)]

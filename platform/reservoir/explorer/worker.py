@@ -1,0 +1,133 @@
+"""An explorer worker: claim tasks, sample groups with the latest policy, write them, repeat.
+
+It runs in any process (a Ray actor of a pool, or plainly) and meets the trainer only in the
+store: it reads the latest policy version and loads its weights in place when it changes,
+claims as many tasks as the pace allows (`reservoir.store.pace`), writes one group per task
+stamped with the version that made it, and stops when the run is finished or stopped, or when
+asked to. Its claims are given back when it stops; if it dies they expire.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from reservoir.config import ReservoirConfig
+from reservoir.explorer.engine import TransformersEngine
+from reservoir.explorer.rewards import REWARDS
+from reservoir.explorer.workflow import Task, single_turn
+from reservoir.models import load_model, load_weights
+from reservoir.store import Store
+from reservoir.store.notify import Listener
+from reservoir.store.pace import Pace, claim_budget
+from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of, status_of
+from reservoir.store.tasks import claim_tasks, finish_claims, release_claims
+
+DONE = ("finished", "stopped", "failed")
+IDLE_POLL_S = 1.0  # re-check the store this often even without a notification
+
+
+@dataclass
+class ExplorerStats:
+    worker: str
+    groups: int = 0
+    versions_loaded: int = 0
+
+
+def set_threads(threads: int | None) -> None:
+    """Torch threads: the configured number, else every core (Ray sets 1 in its workers)."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+class ExplorerWorker:
+    def __init__(self, config: ReservoirConfig, index: int = 0) -> None:
+        self.config = config
+        self.name = f"explorer-{index}@{socket.gethostname()}:{os.getpid()}"
+        self.seed = config.run.seed + 1000 * (index + 1)
+        self.token = uuid.uuid4()
+        self.version: int | None = None
+        self._stop = threading.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self) -> ExplorerStats:
+        """Explore until the run ends or a stop is requested."""
+        set_threads(self.config.explorer.threads)
+        torch.manual_seed(self.seed)
+        stats = ExplorerStats(self.name)
+        engine = TransformersEngine(self.config.model.path)
+        with Store.open(self.config, quiet=True) as store, \
+                Listener(store.engine, POLICY_CHANNEL) as listener:
+            with store.engine.connect() as conn:
+                run_id = run_id_of(conn, self.config.run.name)
+            try:
+                while not self._stop.is_set():
+                    outcome = self._once(store, run_id, engine, stats)
+                    if outcome == "done":
+                        break
+                    if outcome == "wait":
+                        listener.wait(IDLE_POLL_S)
+            finally:
+                with store.engine.begin() as conn:
+                    release_claims(conn, self.token)
+        return stats
+
+    def _once(self, store: Store, run_id: int, engine, stats: ExplorerStats) -> str:
+        """One round: 'done' (the run ended), 'wait' (nothing to do yet) or 'explored'."""
+        with store.engine.connect() as conn:
+            status, policy = status_of(conn, run_id), latest_policy(conn, run_id)
+        if status in DONE:
+            return "done"
+        if policy is None:
+            return "wait"  # the trainer has not published version 0 yet
+        if policy[0] != self.version:
+            self._load(engine, *policy)
+            stats.versions_loaded += 1
+        claimed = self._claim(store, run_id)
+        if claimed is None:
+            return "explored"  # a new version appeared meanwhile: load it first
+        if not claimed:
+            return "wait"
+        explorer = self.config.explorer
+        single_turn(engine, store, self.config.run.name,
+                    [Task(task_id, prompt, answer or "") for task_id, prompt, answer in claimed],
+                    n=explorer.n, rewards=[REWARDS.get(explorer.reward)],
+                    policy_version=self.version, temperature=explorer.temperature,
+                    max_tokens=explorer.max_tokens)
+        with store.engine.begin() as conn:
+            finish_claims(conn, self.token, [task_id for task_id, _, _ in claimed])
+        stats.groups += len(claimed)
+        return "explored"
+
+    def _claim(self, store: Store, run_id: int):
+        """Tasks within the pace, claimed only if the latest version is the one loaded."""
+        config = self.config
+        pace = Pace(batch_groups=config.trainer.batch_groups,
+                    sync_interval=config.trainer.sync_interval, staleness=config.staleness,
+                    group_size=config.explorer.n, steps=config.trainer.steps)
+        with store.engine.begin() as conn:
+            version, budget = claim_budget(conn, run_id, pace)
+            if version != self.version:
+                return None
+            return claim_tasks(conn, run_id, min(budget, config.explorer.batch_tasks),
+                               token=self.token, worker=self.name,
+                               seconds=config.explorer.claim_seconds)
+
+    def _load(self, engine: TransformersEngine, version: int, location: str | None) -> None:
+        """Take a published policy's weights in place (the engine is not rebuilt)."""
+        path = Path(location) if location else None
+        if path is not None and path.is_file():
+            load_weights(engine.model, path)
+        elif path is not None and path.resolve() != Path(self.config.model.path).resolve():
+            engine.load_state_dict(load_model(path)[0].state_dict())
+        self.version = version

@@ -1,0 +1,86 @@
+"""The live view of a run, read from the store alone, so it shows every worker on every machine:
+step, reward, held-out accuracy, staleness, rows ready and leased, rollouts/s, train tokens/s."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Iterator
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from sqlalchemy import Engine, text
+
+SNAPSHOT = text("""
+SELECT r.status, r.rows_inserted,
+       (SELECT max(version) FROM policy_versions WHERE run_id = r.id) AS version,
+       (SELECT step FROM train_steps WHERE run_id = r.id ORDER BY step DESC LIMIT 1) AS step,
+       (SELECT metrics FROM train_steps WHERE run_id = r.id AND step > 0
+         ORDER BY step DESC LIMIT 1) AS metrics,
+       (SELECT (metrics ->> 'eval/accuracy')::float8 FROM train_steps
+         WHERE run_id = r.id AND metrics ? 'eval/accuracy' ORDER BY step DESC LIMIT 1) AS accuracy,
+       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'ready') AS ready,
+       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'leased') AS leased
+FROM runs r WHERE r.name = :run
+""")
+WINDOW_S = 15.0  # rollouts/s over this much recent time
+
+
+class Monitor:
+    def __init__(self, engine: Engine, run: str, steps: int) -> None:
+        self.engine, self.run, self.steps = engine, run, steps
+        self._inserted: deque[tuple[float, int]] = deque()
+
+    def snapshot(self) -> dict | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(SNAPSHOT, {"run": self.run}).mappings().first()
+        if row is None:
+            return None
+        now = time.monotonic()
+        self._inserted.append((now, row["rows_inserted"]))
+        while now - self._inserted[0][0] > WINDOW_S and len(self._inserted) > 2:
+            self._inserted.popleft()
+        (t0, rows0), (t1, rows1) = self._inserted[0], self._inserted[-1]
+        return dict(row) | {"rollouts_per_s": (rows1 - rows0) / (t1 - t0) if t1 > t0 else 0.0}
+
+    def render(self) -> Table:
+        snap = self.snapshot()
+        table = Table(title=f"run {self.run}", show_header=False, min_width=46)
+        table.add_column(style="bold")
+        table.add_column(justify="right")
+        if snap is None:
+            table.add_row("status", "waiting for the run to be created")
+            return table
+        metrics = snap["metrics"] or {}
+        for name, value in (
+            ("status", snap["status"]),
+            ("step", f"{snap['step'] if snap['step'] is not None else '-'} / {self.steps}"),
+            ("policy version", _fmt(snap["version"])),
+            ("reward mean", _fmt(metrics.get("reward_mean"))),
+            ("held-out accuracy", _fmt(snap["accuracy"])),
+            ("staleness (mean / max)", f"{_fmt(metrics.get('staleness_mean'))} / "
+                                       f"{_fmt(metrics.get('staleness_max'))}"),
+            ("rows ready / leased", f"{snap['ready']} / {snap['leased']}"),
+            ("rollouts/s", _fmt(snap["rollouts_per_s"], 1)),
+            ("train tokens/s", _fmt(metrics.get("train_tokens_per_s"), 0)),
+        ):
+            table.add_row(name, value)
+        return table
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+@contextmanager
+def live(monitor: Monitor, console: Console) -> Iterator[Live]:
+    """A Live display the caller refreshes with `view.update(monitor.render())`."""
+    with Live(monitor.render(), console=console, refresh_per_second=2,
+              auto_refresh=False) as view:
+        yield view
+        view.update(monitor.render(), refresh=True)
+    console.print()

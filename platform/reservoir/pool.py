@@ -1,0 +1,171 @@
+"""Worker pools and the three ways to start a run: `run` (both sides), `explore`, `train`.
+
+`reservoir run` starts a trainer and `explorer.workers` explorers as Ray actors (a local Ray by
+default, `run.ray_address` for a cluster) and shows the run live from the store. `explore` and
+`train` start one side only, so two processes or machines can split a run over one server URL.
+Ctrl-C asks every worker to stop: the trainer finishes its step, checkpoints and marks the run
+stopped; explorers give their claimed tasks back. A second Ctrl-C stops at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from rich.console import Console
+
+from reservoir.config import ReservoirConfig
+from reservoir.errors import ReservoirError
+from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
+from reservoir.monitor import Monitor, live
+from reservoir.prepare import absolute, check_model, ensure_run
+from reservoir.store import Store
+from reservoir.trainer.worker import RunSummary, TrainerWorker
+
+EXPLORER_RESTARTS = 3  # Ray restarts a dead explorer actor this often, and retries its run
+
+
+def run(config: ReservoirConfig, *, resume: bool = False,
+        console: Console | None = None) -> RunSummary:
+    """Trainer and explorer pools on Ray, until the trainer is done or Ctrl-C."""
+    import ray
+
+    console = console or Console()
+    config = _prepared(config)
+    with Store.open(config) as store, _ray(config):
+        ensure_run(store, config)
+        trainer = _actor(TrainerWorker).remote(config, resume=resume)
+        explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
+                     for index in range(config.explorer.workers)]
+        done, explored = trainer.run.remote(), [w.run.remote() for w in explorers]
+        _supervise(Monitor(store.engine, config.run.name, config.trainer.steps), console,
+                   finished=lambda wait: bool(ray.wait([done], timeout=wait)[0]),
+                   stop=lambda: [w.request_stop.remote() for w in [trainer, *explorers]])
+        summary = _unwrap(lambda: ray.get(done))
+        for worker in explorers:
+            worker.request_stop.remote()
+        for stats in ray.get(explored, timeout=120):
+            console.print(f"{stats.worker}: {stats.groups} groups, "
+                          f"{stats.versions_loaded} policy versions loaded")
+    return summary
+
+
+def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[ExplorerStats]:
+    """Explorers only: one in this process, or a Ray pool of explorer.workers."""
+    console = console or Console()
+    config = _prepared(config)
+    with Store.open(config) as store:
+        ensure_run(store, config)
+        monitor = Monitor(store.engine, config.run.name, config.trainer.steps)
+        if config.explorer.workers == 1:
+            return [_in_thread(ExplorerWorker(config), monitor, console)]
+        import ray
+
+        with _ray(config):
+            workers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
+                       for index in range(config.explorer.workers)]
+            explored = [w.run.remote() for w in workers]
+            _supervise(monitor, console,
+                       finished=lambda wait: len(ray.wait(explored, num_returns=len(explored),
+                                                          timeout=wait)[0]) == len(explored),
+                       stop=lambda: [w.request_stop.remote() for w in workers])
+            return _unwrap(lambda: ray.get(explored))
+
+
+def train(config: ReservoirConfig, *, resume: bool = False,
+          console: Console | None = None) -> RunSummary:
+    """The trainer only, in this process."""
+    console = console or Console()
+    config = _prepared(config)
+    with Store.open(config) as store:
+        ensure_run(store, config)
+        monitor = Monitor(store.engine, config.run.name, config.trainer.steps)
+        return _in_thread(TrainerWorker(config, resume=resume, console=console), monitor,
+                          console)
+
+
+def _prepared(config: ReservoirConfig) -> ReservoirConfig:
+    config = absolute(config)
+    check_model(config)
+    return config
+
+
+def _in_thread(worker, monitor: Monitor, console: Console):
+    """Run worker.run() in a thread while this one shows the run; return its result."""
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = worker.run()
+        except BaseException as exc:  # handed to the caller's thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name=type(worker).__name__, daemon=True)
+    thread.start()
+    _supervise(monitor, console, finished=lambda wait: not _alive_after(thread, wait),
+               stop=worker.request_stop)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _alive_after(thread: threading.Thread, wait: float) -> bool:
+    thread.join(wait)
+    return thread.is_alive()
+
+
+def _supervise(monitor: Monitor, console: Console, *, finished: Callable[[float], bool],
+               stop: Callable[[], object]) -> None:
+    """Refresh the live view until `finished`; the first Ctrl-C calls `stop` and keeps waiting."""
+    stopping = False
+    with live(monitor, console) as view:
+        while True:
+            try:
+                if finished(0.5):
+                    return
+                view.update(monitor.render(), refresh=True)
+            except KeyboardInterrupt:
+                if stopping:
+                    raise
+                stopping = True
+                stop()
+                console.print("stopping: workers finish their step and checkpoint "
+                              "(Ctrl-C again to abort)")
+
+
+def _actor(cls, restarts: int = 0):
+    """The class as a Ray actor that takes request_stop while run() goes on."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=2, max_restarts=restarts,
+                      max_task_retries=restarts)(cls)
+
+
+class _ray:
+    """ray.init for the pools (local unless run.ray_address), shut down afterwards."""
+
+    def __init__(self, config: ReservoirConfig) -> None:
+        self.address = config.run.ray_address
+
+    def __enter__(self) -> None:
+        import ray
+
+        ray.init(address=self.address, include_dashboard=False, configure_logging=False,
+                 log_to_driver=True)
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+def _unwrap(get: Callable):
+    """ray.get, with our own errors raised as themselves rather than wrapped by Ray."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        return get()
+    except RayTaskError as exc:
+        if isinstance(exc.cause, ReservoirError):
+            raise exc.cause from None
+        raise

@@ -1,0 +1,60 @@
+"""Before either side of a run starts: the config's paths made absolute, the model folder
+checked, and the run with its tasks created once, however many processes race to do it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from reservoir.config import ReservoirConfig
+from reservoir.errors import ConfigError
+from reservoir.explorer.tasks import GENERATORS, read_task_file
+from reservoir.store import Store
+from reservoir.store.runs import create_run, run_exists, run_id_of
+from reservoir.store.tasks import add_tasks
+
+RUN_LOCK = 7_146_001  # advisory lock key: creating a run and loading its tasks
+
+
+def absolute(config: ReservoirConfig) -> ReservoirConfig:
+    """The config with every path absolute, so workers in other folders read the same files."""
+    def section(name: str, **paths):
+        return getattr(config, name).model_copy(update={
+            key: Path(value).resolve() for key, value in paths.items() if value is not None})
+    return config.model_copy(update={
+        "model": section("model", path=config.model.path),
+        "tasks": section("tasks", file=config.tasks.file),
+        "trainer": section("trainer", checkpoint_dir=config.trainer.checkpoint_dir),
+        "store": section("store", data_dir=config.store.data_dir),
+    })
+
+
+def check_model(config: ReservoirConfig) -> None:
+    if not (Path(config.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path: {config.model.path} is not a model folder (no "
+                          "config.json); build one with `reservoir model tiny "
+                          f"{config.model.path}`")
+
+
+def task_rows(config: ReservoirConfig) -> list[dict]:
+    tasks = config.tasks
+    if tasks.file is not None:
+        return read_task_file(tasks.file)
+    if tasks.generate is not None:
+        return GENERATORS[tasks.generate](tasks.count, seed=config.run.seed,
+                                          test_fraction=tasks.test_fraction)
+    raise ConfigError("tasks: set tasks.file or tasks.generate")
+
+
+def ensure_run(store: Store, config: ReservoirConfig) -> int:
+    """The run's id; the first caller creates it and loads its tasks, in one transaction."""
+    with store.engine.begin() as conn:
+        conn.execute(select(func.pg_advisory_xact_lock(RUN_LOCK)))
+        if run_exists(conn, config.run.name):
+            return run_id_of(conn, config.run.name)
+        rows = task_rows(config)
+        run_id = create_run(conn, config.run.name, group_size=config.explorer.n,
+                            model=str(config.model.path), config=config.model_dump(mode="json"))
+        add_tasks(conn, run_id, rows)
+        return run_id

@@ -1,0 +1,258 @@
+"""The trainer worker: lease whole groups, take a GRPO step, commit it, publish weights.
+
+It runs in any process (a Ray actor under `reservoir run`, the CLI's own under `reservoir
+train`) and meets explorers only in the store. A fresh run starts by measuring the start
+policy, an optional supervised warm-up, and step 0 with policy version 0. Every step leases
+`batch_groups` groups no staler than the mode allows, trains, and commits through the ledger;
+every `sync_interval` steps it publishes the weights (a file, a policy_versions row, a NOTIFY).
+
+Resuming reloads the last checkpoint and then replays, from the ledger, every step committed
+after it (the same rows, in the same order), so the model continues exactly; leases the dead
+trainer held go back to ready.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from reservoir.config import ReservoirConfig
+from reservoir.errors import ConfigError, FlowControlTimeout
+from reservoir.explorer.engine import TransformersEngine
+from reservoir.explorer.evaluate import accuracy
+from reservoir.explorer.rewards import REWARDS
+from reservoir.explorer.worker import set_threads
+from reservoir.models import load_model, save_weights
+from reservoir.prepare import check_model
+from reservoir.store import Store
+from reservoir.store.ledger import add_step_metrics, last_step, record_step, step_experiences
+from reservoir.store.runs import run_id_of, set_status
+from reservoir.store.tasks import mark_explored, split_tasks
+from reservoir.trainer.batch import make_batch
+from reservoir.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from reservoir.trainer.seed import seed_everything
+from reservoir.trainer.sft import warm_up
+from reservoir.trainer.step import PRESETS, train_step
+
+LEASE_POLL_S = 1.0  # between lease attempts, check for a stop request
+
+
+@dataclass
+class RunSummary:
+    run: str
+    steps: int = 0
+    version: int = 0
+    accuracy: list[tuple[int | str, float]] = field(default_factory=list)
+    stopped: bool = False
+
+
+class TrainerWorker:
+    def __init__(self, config: ReservoirConfig, *, resume: bool = False,
+                 console: Console | None = None) -> None:
+        self.config, self.resume = config, resume
+        self.console = console or Console(stderr=True)
+        self.summary = RunSummary(config.run.name)
+        self._stop = threading.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> RunSummary:
+        """Train to trainer.steps (or until stopped); the run ends finished or stopped."""
+        check_model(self.config)
+        set_threads(self.config.trainer.threads)
+        seed_everything(self.config.run.seed)
+        self.policy, self.tokenizer = load_model(self.config.model.path)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.trainer.lr)
+        with Store.open(self.config, quiet=True) as store:
+            self.store = store
+            with store.engine.connect() as conn:
+                self.run_id = run_id_of(conn, self.config.run.name)
+                self.held_out = split_tasks(conn, self.run_id, "test")
+            first = self._resume() if self.resume else self._start()
+            self._set_status("running")
+            try:
+                self._train(first)
+            except KeyboardInterrupt:
+                self._stop.set()
+            except BaseException:
+                self._set_status("failed")
+                raise
+            self._finish()
+        return self.summary
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.config.trainer.checkpoint_dir) / self.config.run.name
+
+    def _set_status(self, status: str) -> None:
+        with self.store.engine.begin() as conn:
+            set_status(conn, self.run_id, status)
+
+    def _finish(self) -> None:
+        if self._stop.is_set() and self.summary.steps < self.config.trainer.steps:
+            self._checkpoint()
+            self.summary.stopped = True
+            self._set_status("stopped")
+            self.console.print(f"stopped after step {self.summary.steps}; checkpoint saved, "
+                               "resume with --resume")
+        else:
+            self._set_status("finished")
+
+    # -- starting and resuming -------------------------------------------------------------
+
+    def _start(self) -> int:
+        """Measure the start policy, warm up, record step 0 and publish version 0."""
+        with self.store.engine.connect() as conn:
+            if last_step(conn, self.run_id) is not None:
+                raise ConfigError(f"run.name: run {self.config.run.name!r} has already trained; "
+                                  "continue it with --resume or choose another name")
+        self.summary.accuracy.append(("start", self._evaluate()))
+        metrics = {"eval/accuracy_start": self.summary.accuracy[-1][1]}
+        location = str(self.config.model.path)
+        if self.config.trainer.warmup_steps:
+            metrics |= self._warm_up()
+            self.summary.accuracy.append(("warm-up", self._evaluate()))
+            location = str(save_weights(self.policy, self._weights_path(0)))
+        with self.store.engine.begin() as conn:
+            record_step(conn, self.run_id, 0, policy_version=0,
+                        metrics=metrics | {"eval/accuracy": self.summary.accuracy[-1][1]})
+        self.store.publish_version(self.config.run.name, 0, location=location, train_step=0)
+        self._checkpoint()
+        return 1
+
+    def _warm_up(self) -> dict[str, float]:
+        """Supervised warm-up on the first warmup_fraction of the train tasks (RL skips them)."""
+        trainer = self.config.trainer
+        with self.store.engine.begin() as conn:
+            train = split_tasks(conn, self.run_id, "train")
+            seen = train[:max(1, int(len(train) * trainer.warmup_fraction))]
+            mark_explored(conn, [task_id for task_id, _, _ in seen])
+        losses = warm_up(self.policy, self.tokenizer,
+                         [(prompt, answer or "") for _, prompt, answer in seen],
+                         steps=trainer.warmup_steps, batch_size=trainer.warmup_batch,
+                         lr=trainer.warmup_lr, seed=self.config.run.seed)
+        self.console.print(f"supervised warm-up: {trainer.warmup_steps} steps on {len(seen)} "
+                           f"tasks, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+        return {"warmup/steps": trainer.warmup_steps, "warmup/tasks": len(seen),
+                "warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]}
+
+    def _resume(self) -> int:
+        """Reload the last checkpoint, replay later committed steps, free lost leases."""
+        checkpoint = latest_checkpoint(self.checkpoints)
+        if checkpoint is None:
+            raise ConfigError(f"--resume: no checkpoint under {self.checkpoints}")
+        resumed = load_checkpoint(checkpoint, self.policy, self.optimizer)
+        self.summary.steps, self.summary.version = resumed.step, resumed.version
+        with self.store.engine.connect() as conn:
+            committed = last_step(conn, self.run_id) or 0
+        for step in range(resumed.step + 1, committed + 1):
+            self._replay(step)
+        released = self.store.release_runs(self.config.run.name)
+        self.console.print(f"resumed run {self.summary.run!r} from {checkpoint.name} "
+                           f"(step {resumed.step}); replayed {committed - resumed.step} committed "
+                           f"steps from the ledger; released {released} leased rows")
+        return committed + 1
+
+    def _replay(self, step: int) -> None:
+        """Retrain a committed step on exactly its ledger rows (no new commit)."""
+        with self.store.engine.connect() as conn:
+            ids = step_experiences(conn, self.run_id, step)
+        self._learn(self.store.fetch(ids))
+        self.summary.steps = step
+        if step % self.config.trainer.sync_interval == 0:
+            self._publish(step)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _train(self, first: int) -> None:
+        trainer = self.config.trainer
+        for step in range(first, trainer.steps + 1):
+            waited = time.monotonic()
+            lease = self._lease()
+            if lease is None:
+                return
+            waited = time.monotonic() - waited
+            try:
+                metrics = self._learn(sorted(lease.rows, key=lambda row: row.id))
+            except BaseException:
+                self.store.release(lease)
+                raise
+            self.store.commit_step(lease, step=step, policy_version=self.summary.version,
+                                   loss=metrics["loss"], metrics=metrics | {"wait_s": waited})
+            self.summary.steps = step
+            if step % trainer.sync_interval == 0:
+                self._publish(step)
+            if step % trainer.eval_interval == 0 or step == trainer.steps:
+                self._record_accuracy(step)
+            if step % trainer.checkpoint_interval == 0 or step == trainer.steps:
+                self._checkpoint()
+            if self._stop.is_set():
+                return
+
+    def _lease(self):
+        """Whole groups no staler than allowed; None if a stop came while waiting."""
+        config, started = self.config, time.monotonic()
+        floor = self.summary.version - config.staleness
+        while not self._stop.is_set():
+            try:
+                return self.store.lease(config.run.name, groups=config.trainer.batch_groups,
+                                        min_policy_version=floor, timeout_s=LEASE_POLL_S)
+            except FlowControlTimeout:
+                if time.monotonic() - started > config.trainer.wait_timeout_s:
+                    raise FlowControlTimeout(
+                        f"trainer.wait_timeout_s: no batch of {config.trainer.batch_groups} "
+                        f"groups (version >= {floor}) came in {config.trainer.wait_timeout_s:g}s;"
+                        " is an explorer running (`reservoir explore CONFIG`)?") from None
+        return None
+
+    def _learn(self, rows) -> dict[str, float]:
+        """One optimizer step on rows; metrics include staleness and throughput."""
+        config, started = self.config, time.monotonic()
+        batch = make_batch(rows, self.tokenizer.pad_token_id)
+        metrics = train_step(self.policy, self.optimizer, batch, PRESETS[config.trainer.algorithm],
+                             micro_batch=config.trainer.micro_batch,
+                             temperature=config.explorer.temperature)
+        staleness = [self.summary.version - row.policy_version for row in rows]
+        seconds = time.monotonic() - started
+        return metrics | {"staleness_mean": sum(staleness) / len(staleness),
+                          "staleness_max": max(staleness), "train_s": seconds,
+                          "train_tokens_per_s": metrics["train_tokens"] / seconds,
+                          "response_len_mean": float(batch.mask.sum(1).mean())}
+
+    def _publish(self, step: int) -> None:
+        version = self.summary.version + 1
+        path = save_weights(self.policy, self._weights_path(version))
+        self.store.publish_version(self.config.run.name, version, location=str(path),
+                                   train_step=step)
+        self.summary.version = version
+        self._prune_weights(keep=self.config.staleness + 3)
+
+    def _weights_path(self, version: int) -> Path:
+        return self.checkpoints / "policy" / f"v{version:06d}.safetensors"
+
+    def _prune_weights(self, keep: int) -> None:
+        """Delete published weight files more than `keep` versions old (explorers are past
+        them); version 0 stays, it is where the run's RL started."""
+        for path in sorted((self.checkpoints / "policy").glob("v*.safetensors"))[1:-keep]:
+            path.unlink(missing_ok=True)
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(self.checkpoints, self.summary.steps, self.summary.version, self.policy,
+                        self.optimizer)
+
+    def _evaluate(self) -> float:
+        explorer = self.config.explorer
+        engine = TransformersEngine.of(self.policy, self.tokenizer)
+        return accuracy(engine, self.held_out, REWARDS.get(explorer.reward), explorer.max_tokens)
+
+    def _record_accuracy(self, step: int) -> None:
+        self.summary.accuracy.append((step, self._evaluate()))
+        with self.store.engine.begin() as conn:
+            add_step_metrics(conn, self.run_id, step,
+                             {"eval/accuracy": self.summary.accuracy[-1][1]})

@@ -1,0 +1,62 @@
+"""Task claims and the explorer pace, on a real store."""
+
+import time
+import uuid
+
+from reservoir.store.pace import Pace, claim_budget
+from reservoir.store.tasks import add_tasks, claim_tasks, finish_claims, release_claims
+from tests.factories import fill
+
+PACE = Pace(batch_groups=2, sync_interval=1, staleness=0, group_size=4, steps=10)
+
+
+def _tasks(store, n=8):
+    run_id = store.create_run("paced", group_size=4)
+    with store.engine.begin() as conn:
+        add_tasks(conn, run_id, [{"prompt": f"p{i}", "answer": str(i)} for i in range(n)])
+    return run_id
+
+
+def _budget(store, run_id, pace=PACE):
+    with store.engine.begin() as conn:
+        return claim_budget(conn, run_id, pace)
+
+
+def _claim(store, run_id, want, token, seconds=60.0):
+    with store.engine.begin() as conn:
+        return claim_tasks(conn, run_id, want, token=token, worker="w", seconds=seconds)
+
+
+def test_budget_follows_versions_steps_and_waiting_groups(store):
+    run_id = _tasks(store)
+    assert _budget(store, run_id) == (None, 0)  # nothing until version 0 is published
+    store.publish_version("paced", 0)
+    assert _budget(store, run_id) == (0, 2)  # sync: one version's worth of groups
+    assert _budget(store, run_id, Pace(2, 3, 1, 4, 10)) == (0, 12)  # async: 2 versions x 6
+    fill(store, "paced", 1)
+    assert _budget(store, run_id) == (0, 1)  # a waiting group counts against the budget
+    _claim(store, run_id, 1, uuid.uuid4())
+    assert _budget(store, run_id) == (0, 0)  # so does a claimed task
+    lease = store.lease("paced", groups=1)
+    store.commit_step(lease, step=1, policy_version=0)
+    assert _budget(store, run_id) == (0, 0)  # trained, but version 1 is not out yet
+    store.publish_version("paced", 1)
+    assert _budget(store, run_id) == (1, 1)  # 2 for version 1, less the live claim
+    assert _budget(store, run_id, Pace(2, 1, 0, 4, steps=1)) == (1, 0)  # the run's last step
+
+
+def test_claims_expire_and_finishing_counts_the_task_explored(store):
+    run_id = _tasks(store, n=3)
+    first, second = uuid.uuid4(), uuid.uuid4()
+    claimed = _claim(store, run_id, 2, first, seconds=0.5)
+    assert [task_id for task_id, _, _ in claimed] == [1, 2]
+    assert [task_id for task_id, _, _ in _claim(store, run_id, 5, second)] == [3]
+    time.sleep(0.6)  # the first worker died: its claims expire
+    assert [task_id for task_id, _, _ in _claim(store, run_id, 5, second)] == [1, 2]
+    with store.engine.begin() as conn:
+        assert finish_claims(conn, first, [1, 2]) == 0  # the dead worker's token holds nothing
+        assert finish_claims(conn, second, [1, 3]) == 2
+        assert release_claims(conn, second) == 1  # task 2 goes back unexplored
+        explored = conn.exec_driver_sql(
+            "SELECT id, times_explored, claim_token IS NULL FROM tasks ORDER BY id").all()
+    assert [tuple(row) for row in explored] == [(1, 1, True), (2, 0, True), (3, 1, True)]

@@ -1,0 +1,156 @@
+"""Killing workers with SIGKILL: a trainer resumes exactly; a dead explorer's tasks come back.
+
+Both run the real `reservoir` command in a subprocess against a test database.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from sqlalchemy import text
+
+from reservoir.config import parse_config
+from reservoir.models import build_tiny_model, load_model
+from reservoir.prepare import ensure_run
+from reservoir.store import Experience, Store
+from reservoir.store.engine import sync_engine
+from tests.test_run import ledger
+
+RESERVOIR = Path(sys.executable).with_name("reservoir")
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(RESERVOIR), *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ,
+                                                                      "COLUMNS": "200"})
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output
+    return output
+
+
+def query(db_url: str, sql: str, **params):
+    with sync_engine(db_url).connect() as conn:
+        return conn.execute(text(sql), params).all()
+
+
+def wait_for(condition, timeout: float = 120, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError("timed out waiting")
+
+
+def write_config(path: Path, raw: dict) -> Path:
+    parse_config(raw)  # fail here, not in the subprocess, if the test's config is wrong
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def offline_groups(run: str, n_groups: int, size: int = 4) -> list[list[Experience]]:
+    """Seeded groups with rewards that differ inside each group (so advantages are not 0)."""
+    rng = np.random.default_rng(7)
+    groups = []
+    for _ in range(n_groups):
+        prompt = rng.integers(10, 60, 6)
+        groups.append([Experience(
+            run=run, policy_version=0, prompt_text="p", response_text="r", prompt_ids=prompt,
+            response_ids=(response := rng.integers(10, 60, 5)),
+            logprobs=-rng.random(len(response)).astype(np.float32) - 2.0,
+            reward=float(i % 2), reward_components={"accuracy": float(i % 2)})
+            for i in range(size)])
+    return groups
+
+
+def trainer_config(tmp_path: Path, side: str, db_url: str, model: Path) -> Path:
+    return write_config(tmp_path / f"{side}.yaml", {
+        "run": {"name": "offline", "mode": "async", "seed": 3},
+        "model": {"path": str(model)}, "tasks": {"generate": "reverse", "count": 20},
+        "explorer": {"n": 4, "max_tokens": 4},
+        "trainer": {"steps": 8, "batch_groups": 2, "micro_batch": 3, "lr": 0.01,
+                    "eval_interval": 100, "checkpoint_interval": 4,
+                    "checkpoint_dir": str(tmp_path / side)},
+        "sampler": {"max_staleness": 100}, "store": {"url": db_url}})
+
+
+def test_trainer_killed_mid_run_resumes_to_the_same_model(tmp_path, new_database, template_db):
+    model = build_tiny_model(tmp_path / "tiny", seed=4)
+    sides = {side: (new_database(template_db), None) for side in ("straight", "killed")}
+    for side, (db_url, _) in sides.items():
+        config_path = trainer_config(tmp_path, side, db_url, model)
+        with Store(db_url) as store:
+            ensure_run(store, parse_config(yaml.safe_load(config_path.read_text())))
+            store.write_groups(offline_groups("offline", 8 * 2))
+        sides[side] = (db_url, config_path)
+
+    finish(start("train", str(sides["straight"][1]), cwd=tmp_path))
+    db_url, config_path = sides["killed"]
+    victim = start("train", str(config_path), cwd=tmp_path)
+    wait_for(lambda: query(db_url, "SELECT 1 FROM train_steps WHERE step >= 2"))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_at = query(db_url, "SELECT max(step) FROM train_steps")[0][0]
+    assert 2 <= killed_at < 8
+    output = finish(start("train", str(config_path), "--resume", cwd=tmp_path))
+    replayed = int(re.search(r"replayed (\d+) committed steps", output).group(1))
+    assert replayed >= 1, output  # steps after the step-0 checkpoint came back from the ledger
+
+    found = ledger(db_url)
+    assert found["steps"] == list(range(9)) and found["status"] == "finished"
+    assert (found["bad_steps"], found["trained_twice"]) == (0, 0)
+    assert query(db_url, "SELECT status, count(*) FROM experiences GROUP BY 1") == [
+        ("consumed", 64)]
+    weights = [load_model(tmp_path / side / "offline" / "step-000008")[0].state_dict()
+               for side in ("straight", "killed")]
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_killed_explorer_tasks_are_explored_again_and_the_run_finishes(tmp_path, db_url):
+    model = build_tiny_model(tmp_path / "tiny", seed=5)
+    config_path = write_config(tmp_path / "run.yaml", {
+        "run": {"name": "kill-explorer"}, "model": {"path": str(model)},
+        "tasks": {"generate": "reverse", "count": 80},
+        "explorer": {"n": 4, "batch_tasks": 2, "max_tokens": 24, "workers": 2,
+                     "claim_seconds": 3},
+        "trainer": {"steps": 8, "batch_groups": 2, "micro_batch": 8, "eval_interval": 100,
+                    "checkpoint_dir": str(tmp_path / "checkpoints")},
+        "store": {"url": db_url}})
+    run = start("run", str(config_path), cwd=tmp_path)
+    victim, tasks = wait_for(lambda: _kill_a_claim_holder(db_url), timeout=180, every=0.02)
+    output = finish(run)
+    found = ledger(db_url)
+    assert found["steps"] == list(range(9)) and found["status"] == "finished", output
+    assert (found["bad_steps"], found["trained_twice"]) == (0, 0)
+    explored = dict(query(db_url, "SELECT id, times_explored FROM tasks WHERE id = ANY(:ids)",
+                          ids=list(tasks)))
+    assert all(explored[task] > before for task, before in tasks.items()), (victim, explored)
+
+
+def _kill_a_claim_holder(db_url: str):
+    """SIGKILL an explorer while it holds claims; (its name, {task: times explored before})."""
+    claims = query(db_url, "SELECT claimed_by, id, times_explored FROM tasks "
+                           "WHERE claim_token IS NOT NULL AND claimed_until > now()")
+    if not claims:
+        return None
+    victim = claims[0].claimed_by
+    os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+    time.sleep(0.5)
+    held = {row.id: row.times_explored for row in claims if row.claimed_by == victim}
+    still = query(db_url, "SELECT count(*) FROM tasks WHERE claimed_by = :who AND id = ANY(:ids)",
+                  who=victim, ids=list(held))[0][0]
+    return (victim, held) if still == len(held) else None  # else it finished first: try again
