@@ -52,6 +52,14 @@ def test_sync_run_is_on_policy_and_every_step_has_its_ledger(tmp_path, db_url):
     with sync_engine(db_url).connect() as conn:  # explorers stop at the last step's need
         assert conn.execute(text("SELECT count(DISTINCT group_id) FROM experiences")
                             ).scalar() == 4 * 3
+    config = run_config(tmp_path, db_url)
+    with pytest.raises(ConfigError, match="run 'r' has already trained; continue it with --resume"):
+        pool.train(config)
+    elsewhere = config.model_copy(update={"trainer": config.trainer.model_copy(
+        update={"checkpoint_dir": tmp_path / "elsewhere"})})
+    with pytest.raises(ConfigError, match="--resume: no checkpoint under"):
+        pool.train(elsewhere, resume=True)
+    assert ledger(db_url)["status"] == "finished"  # refusing to start changed nothing
     page = write_report(sync_engine(db_url), "r", tmp_path / "report")
     names = {"reward_per_step", "accuracy_per_step", "per_minute", "response_length", "staleness"}
     assert {p.stem for p in page.parent.glob("*.png")} == names

@@ -92,7 +92,8 @@ class ExplorerConfig(Section):
     claim_seconds: float = Field(default=300.0, gt=0,
                                  description="a dead worker's tasks are claimed again after this")
     threads: int | None = Field(default=None, ge=1,
-                                description="torch threads per worker; unset: every core")
+                                description="torch threads per worker; unset: the cores "
+                                "shared by the workers that compute at once")
 
 
 class TrainerConfig(Section):
@@ -111,7 +112,8 @@ class TrainerConfig(Section):
     checkpoint_interval: int = Field(default=10, ge=1)
     checkpoint_dir: Path = Path("checkpoints")
     threads: int | None = Field(default=None, ge=1,
-                                description="torch threads; unset: every core")
+                                description="torch threads; unset: every core in sync mode, "
+                                "a share of them in async mode")
     wait_timeout_s: float = Field(default=1800.0, gt=0,
                                   description="fail the run if no batch arrives for this long")
 
@@ -143,6 +145,17 @@ class ReservoirConfig(Section):
             raise ValueError("run.mode is async but sampler.max_staleness is unset: set how "
                              "many policy versions explorers may run ahead (e.g. 1)")
         return self
+
+    def torch_threads(self, role: Literal["explorer", "trainer"]) -> int:
+        """The configured threads, else the cores shared by the workers that compute at once:
+        in sync mode explorers and the trainer take turns, in async mode all run together."""
+        configured = self.explorer.threads if role == "explorer" else self.trainer.threads
+        if configured:
+            return configured
+        together = self.explorer.workers + (self.run.mode == "async")
+        if role == "trainer" and self.run.mode == "sync":
+            together = 1
+        return max(1, (os.cpu_count() or 1) // together)
 
     @property
     def staleness(self) -> int:

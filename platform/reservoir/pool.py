@@ -44,10 +44,24 @@ def run(config: ReservoirConfig, *, resume: bool = False,
         summary = _unwrap(lambda: ray.get(done))
         for worker in explorers:
             worker.request_stop.remote()
-        for stats in ray.get(explored, timeout=120):
-            console.print(f"{stats.worker}: {stats.groups} groups, "
-                          f"{stats.versions_loaded} policy versions loaded")
+        _report_explorers(explored, console)
     return summary
+
+
+def _report_explorers(explored: list, console: Console) -> None:
+    """One line per explorer; one that failed for good is reported, not raised (the run is
+    the trainer's: it finished)."""
+    import ray
+
+    for index, ref in enumerate(explored):
+        try:
+            stats = ray.get(ref, timeout=120)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            console.print(f"[yellow]explorer-{index} ended with an error:[/] "
+                          f"{str(exc).splitlines()[0]}")
+            continue
+        console.print(f"{stats.worker}: {stats.groups} groups, "
+                      f"{stats.versions_loaded} policy versions loaded")
 
 
 def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[ExplorerStats]:

@@ -43,12 +43,12 @@ def chat_prompt(tokenizer, prompt: str) -> str:
 class TransformersEngine:
     """Hugging Face transformers `generate` on CPU or GPU, batched, with the KV cache."""
 
-    def __init__(self, model_path: Path, *, device: str = "cpu", batch_size: int = 64):
+    def __init__(self, model_path: Path, *, device: str = "cpu", batch_size: int = 256):
         model, tokenizer = load_model(model_path)
         self._take(model.to(device).eval(), tokenizer, device, batch_size)
 
     @classmethod
-    def of(cls, model, tokenizer, *, batch_size: int = 64) -> "TransformersEngine":
+    def of(cls, model, tokenizer, *, batch_size: int = 256) -> "TransformersEngine":
         """An engine over a model already in memory (the trainer's, to evaluate it)."""
         engine = cls.__new__(cls)
         engine._take(model, tokenizer, str(next(model.parameters()).device), batch_size)
@@ -90,23 +90,29 @@ class TransformersEngine:
         generated = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, generated[..., None])[..., 0]
-        prompt_rows = batch["input_ids"].repeat_interleave(n, dim=0)
-        prompt_mask = batch["attention_mask"].repeat_interleave(n, dim=0).bool()
-        rows = [self._to_sample(prompt_rows[i][prompt_mask[i]], generated[i], logprobs[i])
-                for i in range(generated.shape[0])]
+        rows = self._samples(batch["input_ids"].repeat_interleave(n, dim=0),
+                             batch["attention_mask"].repeat_interleave(n, dim=0).bool(),
+                             generated, logprobs)
         return [rows[i * n:(i + 1) * n] for i in range(len(texts))]
 
-    def _decode(self, ids, **options) -> str:
-        """Text of token ids; NUL, which PostgreSQL text cannot hold, becomes U+FFFD."""
-        return self.tokenizer.decode(ids, **options).replace("\x00", "\ufffd")
+    def _samples(self, prompts, prompt_mask, generated, logprobs) -> list[Sample]:
+        """Rows cut after their end-of-turn token; texts decoded in one batch call each."""
+        is_eos = generated == self.tokenizer.eos_token_id
+        finished = is_eos.any(dim=1)
+        lengths = torch.where(finished, is_eos.int().argmax(dim=1) + 1, generated.shape[1])
+        prompts, generated = prompts.cpu().numpy(), generated.cpu().numpy()
+        logprobs = logprobs.cpu().numpy()
+        responses = [generated[i, :length] for i, length in enumerate(lengths.tolist())]
+        texts = self._decode(responses, skip_special_tokens=True)
+        raw_texts = self._decode(responses, skip_special_tokens=False)
+        mask = prompt_mask.cpu().numpy()
+        return [Sample(prompt_ids=prompts[i][mask[i]].astype(np.int32),
+                       response_ids=response.astype(np.int32),
+                       logprobs=logprobs[i, :len(response)].astype(np.float32),
+                       text=texts[i], raw_text=raw_texts[i], finished=bool(finished[i]))
+                for i, response in enumerate(responses)]
 
-    def _to_sample(self, prompt_ids, generated, logprobs) -> Sample:
-        eos = (generated == self.tokenizer.eos_token_id).nonzero()
-        length = int(eos[0]) + 1 if len(eos) else generated.shape[0]
-        response = generated[:length]
-        return Sample(prompt_ids=prompt_ids.cpu().numpy().astype(np.int32),
-                      response_ids=response.cpu().numpy().astype(np.int32),
-                      logprobs=logprobs[:length].cpu().numpy().astype(np.float32),
-                      text=self._decode(response, skip_special_tokens=True),
-                      raw_text=self._decode(response, skip_special_tokens=False),
-                      finished=bool(len(eos)))
+    def _decode(self, rows, **options) -> list[str]:
+        """Texts of token-id rows; NUL, which PostgreSQL text cannot hold, becomes U+FFFD."""
+        return [text.replace("\x00", "\ufffd")
+                for text in self.tokenizer.batch_decode(rows, **options)]

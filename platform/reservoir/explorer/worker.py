@@ -40,9 +40,9 @@ class ExplorerStats:
     versions_loaded: int = 0
 
 
-def set_threads(threads: int | None) -> None:
-    """Torch threads: the configured number, else every core (Ray sets 1 in its workers)."""
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+def set_threads(threads: int) -> None:
+    """Torch's intra-op threads (Ray sets 1 in its workers through OMP_NUM_THREADS)."""
+    torch.set_num_threads(threads)
 
 
 class ExplorerWorker:
@@ -62,7 +62,7 @@ class ExplorerWorker:
 
     def run(self) -> ExplorerStats:
         """Explore until the run ends or a stop is requested."""
-        set_threads(self.config.explorer.threads)
+        set_threads(self.config.torch_threads("explorer"))
         torch.manual_seed(self.seed)
         stats = ExplorerStats(self.name)
         engine = TransformersEngine(self.config.model.path)

@@ -65,7 +65,7 @@ class TrainerWorker:
     def run(self) -> RunSummary:
         """Train to trainer.steps (or until stopped); the run ends finished or stopped."""
         check_model(self.config)
-        set_threads(self.config.trainer.threads)
+        set_threads(self.config.torch_threads("trainer"))
         seed_everything(self.config.run.seed)
         self.policy, self.tokenizer = load_model(self.config.model.path)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.trainer.lr)
@@ -74,17 +74,27 @@ class TrainerWorker:
             with store.engine.connect() as conn:
                 self.run_id = run_id_of(conn, self.config.run.name)
                 self.held_out = split_tasks(conn, self.run_id, "test")
-            first = self._resume() if self.resume else self._start()
-            self._set_status("running")
+            self._check_can_start()
             try:
+                first = self._resume() if self.resume else self._start()
+                self._set_status("running")
                 self._train(first)
             except KeyboardInterrupt:
                 self._stop.set()
             except BaseException:
-                self._set_status("failed")
+                self._set_status("failed")  # explorers see it and stop
                 raise
             self._finish()
         return self.summary
+
+    def _check_can_start(self) -> None:
+        with self.store.engine.connect() as conn:
+            trained = last_step(conn, self.run_id) is not None
+        if trained and not self.resume:
+            raise ConfigError(f"run.name: run {self.config.run.name!r} has already trained; "
+                              "continue it with --resume or choose another name")
+        if self.resume and latest_checkpoint(self.checkpoints) is None:
+            raise ConfigError(f"--resume: no checkpoint under {self.checkpoints}")
 
     @property
     def checkpoints(self) -> Path:
@@ -108,10 +118,6 @@ class TrainerWorker:
 
     def _start(self) -> int:
         """Measure the start policy, warm up, record step 0 and publish version 0."""
-        with self.store.engine.connect() as conn:
-            if last_step(conn, self.run_id) is not None:
-                raise ConfigError(f"run.name: run {self.config.run.name!r} has already trained; "
-                                  "continue it with --resume or choose another name")
         self.summary.accuracy.append(("start", self._evaluate()))
         metrics = {"eval/accuracy_start": self.summary.accuracy[-1][1]}
         location = str(self.config.model.path)
@@ -145,8 +151,6 @@ class TrainerWorker:
     def _resume(self) -> int:
         """Reload the last checkpoint, replay later committed steps, free lost leases."""
         checkpoint = latest_checkpoint(self.checkpoints)
-        if checkpoint is None:
-            raise ConfigError(f"--resume: no checkpoint under {self.checkpoints}")
         resumed = load_checkpoint(checkpoint, self.policy, self.optimizer)
         self.summary.steps, self.summary.version = resumed.step, resumed.version
         with self.store.engine.connect() as conn:
