@@ -7,7 +7,7 @@ import torch
 from reservoir.errors import ConfigError
 from reservoir.trainer.algorithms import (ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
                                           clipped_policy_loss, grpo_advantages)
-from reservoir.trainer.registry import Registry
+from reservoir.registry import Registry
 
 RNG = np.random.default_rng(7)
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 2.0, -1.0, 3.0])

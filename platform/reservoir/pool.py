@@ -10,12 +10,14 @@ stopped; explorers give their claimed tasks back. A second Ctrl-C stops at once.
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import Callable
 
 from rich.console import Console
 
 from reservoir.config import ReservoirConfig
 from reservoir.errors import ReservoirError
+from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.monitor import Monitor, live
 from reservoir.prepare import absolute, check_model, ensure_run
@@ -34,7 +36,8 @@ def run(config: ReservoirConfig, *, resume: bool = False,
     config = _prepared(config)
     with Store.open(config) as store, _ray(config):
         ensure_run(store, config)
-        trainer = _actor(TrainerWorker).remote(config, resume=resume)
+        trainer = _actor(TrainerWorker).remote(config, resume=resume,
+                                               evaluate=partial(held_out_accuracy, config))
         explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
                      for index in range(config.explorer.workers)]
         done, explored = trainer.run.remote(), [w.run.remote() for w in explorers]
@@ -94,8 +97,9 @@ def train(config: ReservoirConfig, *, resume: bool = False,
     with Store.open(config) as store:
         ensure_run(store, config)
         monitor = Monitor(store.engine, config.run.name, config.trainer.steps)
-        return _in_thread(TrainerWorker(config, resume=resume, console=console), monitor,
-                          console)
+        trainer = TrainerWorker(config, resume=resume, console=console,
+                                evaluate=partial(held_out_accuracy, config))
+        return _in_thread(trainer, monitor, console)
 
 
 def _prepared(config: ReservoirConfig) -> ReservoirConfig:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from reservoir.explorer.engine import Engine
-from reservoir.explorer.rewards import RewardFunction
+from reservoir.config import ReservoirConfig
+from reservoir.explorer.engine import Engine, TransformersEngine
+from reservoir.explorer.rewards import REWARDS, RewardFunction
 
 
 def accuracy(engine: Engine, tasks: list[tuple], reward: RewardFunction,
@@ -17,3 +18,9 @@ def accuracy(engine: Engine, tasks: list[tuple], reward: RewardFunction,
                             max_tokens=max_tokens)
     return float(np.mean([reward(group[0].text, answer or "")["accuracy"]
                           for (_, _, answer), group in zip(tasks, samples)]))
+
+
+def held_out_accuracy(config: ReservoirConfig, model, tokenizer, tasks: list[tuple]) -> float:
+    """`accuracy` of a model in memory (the trainer's policy) with the run's reward."""
+    return accuracy(TransformersEngine.of(model, tokenizer), tasks,
+                    REWARDS.get(config.explorer.reward), config.explorer.max_tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from reservoir.trainer.registry import Registry
+from reservoir.registry import Registry
 
 Components = dict[str, float]
 RewardFunction = Callable[[str, str], Components]

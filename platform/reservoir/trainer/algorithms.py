@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from reservoir.trainer.registry import Registry
+from reservoir.registry import Registry
 
 Tensor = torch.Tensor
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]

@@ -17,16 +17,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from rich.console import Console
 
 from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError, FlowControlTimeout
-from reservoir.explorer.engine import TransformersEngine
-from reservoir.explorer.evaluate import accuracy
-from reservoir.explorer.rewards import REWARDS
-from reservoir.explorer.worker import set_threads
 from reservoir.models import load_model, save_weights
 from reservoir.prepare import check_model
 from reservoir.store import Store
@@ -40,6 +37,9 @@ from reservoir.trainer.sft import warm_up
 from reservoir.trainer.step import PRESETS, train_step
 
 LEASE_POLL_S = 1.0  # between lease attempts, check for a stop request
+# held-out accuracy of (model, tokenizer) on (id, prompt, answer) tasks; the coordinator
+# supplies it (the trainer does not import the explorer, which owns engines and rewards)
+Evaluate = Callable[[object, object, list], float]
 
 
 @dataclass
@@ -53,8 +53,8 @@ class RunSummary:
 
 class TrainerWorker:
     def __init__(self, config: ReservoirConfig, *, resume: bool = False,
-                 console: Console | None = None) -> None:
-        self.config, self.resume = config, resume
+                 evaluate: Evaluate | None = None, console: Console | None = None) -> None:
+        self.config, self.resume, self.evaluate = config, resume, evaluate
         self.console = console or Console(stderr=True)
         self.summary = RunSummary(config.run.name)
         self._stop = threading.Event()
@@ -65,7 +65,7 @@ class TrainerWorker:
     def run(self) -> RunSummary:
         """Train to trainer.steps (or until stopped); the run ends finished or stopped."""
         check_model(self.config)
-        set_threads(self.config.torch_threads("trainer"))
+        torch.set_num_threads(self.config.torch_threads("trainer"))
         seed_everything(self.config.run.seed)
         self.policy, self.tokenizer = load_model(self.config.model.path)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.trainer.lr)
@@ -251,9 +251,9 @@ class TrainerWorker:
                         self.optimizer)
 
     def _evaluate(self) -> float:
-        explorer = self.config.explorer
-        engine = TransformersEngine.of(self.policy, self.tokenizer)
-        return accuracy(engine, self.held_out, REWARDS.get(explorer.reward), explorer.max_tokens)
+        if self.evaluate is None or not self.held_out:
+            return float("nan")
+        return self.evaluate(self.policy, self.tokenizer, self.held_out)
 
     def _record_accuracy(self, step: int) -> None:
         self.summary.accuracy.append((step, self._evaluate()))

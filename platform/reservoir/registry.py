@@ -1,4 +1,4 @@
-"""Named registries for algorithm pieces: duplicates and unknown names are errors."""
+"""Named registries (algorithm pieces, reward functions): duplicates and unknown names are errors."""
 
 from __future__ import annotations
 
