@@ -18,8 +18,11 @@ from reservoir.store import Store, migrate
 from reservoir.store.engine import sync_engine
 from reservoir.store.schema import metadata
 
-CORE_TABLES = {"runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items"}
-VIEWS = {"experiences", "experience_tokens", "run_steps", "lineage", "runs"}
+CORE_TABLES = {"runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items",
+               "pipeline_runs", "operator_events", "validations", "schedules", "reviews",
+               "preferences"}
+VIEWS = {"experiences", "experience_tokens", "run_steps", "lineage", "runs", "pipeline_runs",
+         "operator_events", "validations", "reviews"}
 
 
 @pytest.fixture
@@ -62,7 +65,8 @@ def test_downgrade_last_step_drops_analytics_keeps_core_then_upgrade_restores(db
     migrate.downgrade(engine, "0001")
     assert migrate.current_revision(engine) == "0001"
     assert not inspect(engine).has_schema("analytics")
-    assert CORE_TABLES <= tables(engine)
+    assert {"runs", "tasks", "experiences", "batch_items"} <= tables(engine)
+    assert not tables(engine) & {"pipeline_runs", "operator_events", "schedules"}
     with engine.connect() as conn:
         assert conn.execute(text("SELECT name FROM runs")).scalars().all() == ["kept"]
     migrate.upgrade(engine)

@@ -8,8 +8,10 @@ from reservoir.errors import StoreError
 from reservoir.store.inspect import run_sql
 from tests.factories import fill
 
-BASE_TABLES = ["runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items"]
+BASE_TABLES = ["runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items",
+               "pipeline_runs", "operator_events", "validations", "schedules", "reviews"]
 VIEWS = ["experiences", "experience_tokens", "run_steps", "lineage", "runs"]
+PIPELINE_VIEWS = ["pipeline_runs", "operator_events", "validations", "reviews"]  # empty here
 A_COLUMN = {"runs": "name", "tasks": "prompt", "experiences": "reward",
             "policy_versions": "location", "train_steps": "loss", "batch_items": "weight"}
 WRITES = [statement for table, column in A_COLUMN.items() for statement in (
@@ -34,6 +36,11 @@ def as_reader(store, sql: str, **kwargs):
 @pytest.mark.parametrize("view", VIEWS)
 def test_reader_reads_every_view(trained, view):
     assert as_reader(trained, f"SELECT * FROM analytics.{view}").rows
+
+
+@pytest.mark.parametrize("view", PIPELINE_VIEWS)
+def test_reader_may_read_the_pipeline_views(trained, view):
+    assert as_reader(trained, f"SELECT * FROM analytics.{view}").columns
 
 
 def test_reader_sees_the_data_written_through_the_store(trained):

@@ -194,18 +194,20 @@ def describe_errors(exc: ValidationError, source: str) -> str:
         key = ".".join(str(part) for part in err["loc"]) or "(top level)"
         message = err["msg"]
         if err["type"] == "extra_forbidden":
-            message = "unknown key" + _suggestion(err["loc"])
+            message = "unknown key" + suggest_key(ReservoirConfig, err["loc"])
         lines.append(f"  {key}: {message} (got {err.get('input')!r})")
     return "\n".join(lines)
 
 
-def _suggestion(loc: tuple) -> str:
-    model: type[BaseModel] = ReservoirConfig
+def suggest_key(model: type[BaseModel], loc: tuple) -> str:
+    """'; did you mean ...' for an unknown key at loc, else the valid keys there."""
     for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
+        fields = {field.alias or name: field for name, field in model.model_fields.items()}
+        field = fields.get(str(part))
         annotation = getattr(field, "annotation", None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return ""
         model = annotation
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(model.model_fields)}"
+    keys = [field.alias or name for name, field in model.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(keys)}"

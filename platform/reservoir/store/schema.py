@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Computed,
@@ -30,7 +31,10 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 metadata = MetaData()
 
 RUN_STATUSES = ("created", "running", "stopped", "finished", "failed")
-EXPERIENCE_STATUSES = ("raw", "ready", "leased", "consumed", "quarantined", "retired")
+EXPERIENCE_STATUSES = ("raw", "ready", "leased", "consumed", "quarantined", "retired", "held")
+PIPELINE_STATUSES = ("running", "succeeded", "failed", "dry_run")
+EVENT_KINDS = ("dropped", "changed", "added", "scored", "quarantined", "retired", "held")
+REVIEW_STATUSES = ("pending", "labelled")
 
 
 def _now() -> Column:
@@ -159,4 +163,108 @@ batch_items = Table(
     Column("weight", Float, nullable=False, server_default="1"),
     PrimaryKeyConstraint("train_step_id", "experience_id", name="batch_items_pkey"),
     Index("batch_items_experience", "experience_id"),
+)
+
+pipeline_runs = Table(
+    "pipeline_runs",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("pipeline", Text, nullable=False),
+    Column("source_file", Text),
+    Column("spec", JSONB, nullable=False),
+    Column("spec_hash", Text, nullable=False),
+    Column("run_ids", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("trigger", Text, nullable=False, server_default="cli"),
+    Column("status", Text, nullable=False, server_default="running"),
+    Column("rows_in", Integer),
+    Column("rows_out", Integer),
+    Column("rows_dropped", Integer),
+    Column("operators", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("duration_s", Float),
+    Column("error", Text),
+    Column("schedule_id", BigInteger, ForeignKey("schedules.id", ondelete="SET NULL")),
+    Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("finished_at", DateTime(timezone=True)),
+    CheckConstraint(f"status IN {PIPELINE_STATUSES}", name="pipeline_runs_status_valid"),
+    Index("pipeline_runs_pipeline", "pipeline", "started_at"),
+)
+
+operator_events = Table(
+    "operator_events",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("pipeline_run_id", BigInteger, ForeignKey("pipeline_runs.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("experience_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE")),
+    Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="CASCADE")),
+    Column("operator", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("reason", Text),
+    Column("stats", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    _now(),
+    CheckConstraint(f"kind IN {EVENT_KINDS}", name="operator_events_kind_valid"),
+    Index("operator_events_run", "pipeline_run_id"),
+    Index("operator_events_experience", "experience_id"),
+)
+
+validations = Table(
+    "validations",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("pipeline_run_id", BigInteger, ForeignKey("pipeline_runs.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("expectation", Text, nullable=False),
+    Column("kwargs", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("success", Boolean, nullable=False),
+    Column("element_count", Integer),
+    Column("unexpected_count", Integer),
+    Column("sample", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("on_failure", Text, nullable=False),
+    _now(),
+    Index("validations_run", "pipeline_run_id"),
+)
+
+schedules = Table(
+    "schedules",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("name", Text, nullable=False, unique=True),
+    Column("pipeline_file", Text, nullable=False),
+    Column("cron", Text, nullable=False),
+    Column("enabled", Boolean, nullable=False, server_default=text("true")),
+    Column("last_run_at", DateTime(timezone=True)),
+    Column("next_run_at", DateTime(timezone=True), nullable=False),
+    _now(),
+)
+
+reviews = Table(
+    "reviews",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("experience_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE"),
+           nullable=False, unique=True),
+    Column("pipeline_run_id", BigInteger, ForeignKey("pipeline_runs.id", ondelete="SET NULL")),
+    Column("reason", Text),
+    Column("status", Text, nullable=False, server_default="pending"),
+    Column("verdict", Text),
+    Column("label", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("reviewer", Text),
+    _now(),
+    Column("labelled_at", DateTime(timezone=True)),
+    CheckConstraint(f"status IN {REVIEW_STATUSES}", name="reviews_status_valid"),
+    CheckConstraint("verdict IS NULL OR verdict IN ('accept', 'reject')",
+                    name="reviews_verdict_valid"),
+)
+
+preferences = Table(
+    "preferences",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="CASCADE")),
+    Column("chosen_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("rejected_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("source", Text),
+    _now(),
 )

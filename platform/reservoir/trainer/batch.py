@@ -39,7 +39,7 @@ def make_batch(rows: Sequence[LeasedExperience], pad_id: int) -> TrainBatch:
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width - 1))
-    old = torch.zeros((len(rows), width - 1))
+    old = torch.full((len(rows), width - 1), float("nan"))
     groups = {group: index for index, group in enumerate(dict.fromkeys(r.group_id for r in rows))}
     for i, row in enumerate(rows):
         prompt, response = len(row.prompt_ids), len(row.response_ids)

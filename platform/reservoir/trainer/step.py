@@ -48,7 +48,8 @@ def train_step(model, optimizer, batch: TrainBatch, algorithm: Algorithm, *,
     for start in range(0, total_rows, micro_batch):
         part = batch.rows(slice(start, start + micro_batch))
         logprobs = token_logprobs(model, part, temperature)
-        loss, parts = policy_loss(logprobs, part.old_logprobs, advantages[start:start + micro_batch],
+        old = torch.where(part.old_logprobs.isnan(), logprobs.detach(), part.old_logprobs)
+        loss, parts = policy_loss(logprobs, old, advantages[start:start + micro_batch],
                                   part.mask, clip_low=algorithm.clip_low,
                                   clip_high=algorithm.clip_high, aggregation=algorithm.aggregation)
         if reference is not None and algorithm.kl_coef > 0:
