@@ -32,6 +32,9 @@ app.add_typer(inspect_app, name="inspect")
 app.add_typer(demo_app, name="demo")
 app.add_typer(model_app, name="model")
 app.add_typer(tasks_app, name="tasks")
+pipeline_app = typer.Typer(help="Data pipelines: operator YAML run against the store.",
+                           no_args_is_help=True)
+app.add_typer(pipeline_app, name="pipeline")
 
 console = Console()
 errors = Console(stderr=True)
@@ -318,3 +321,58 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
                           "WHERE run = :run AND train_step IS NOT NULL", params={"run": run})
         console.print(f"[bold]reservoir inspect run {run}[/]   "
                       f"[bold]reservoir inspect experience {trained.rows[0][0]}[/]")
+
+
+@pipeline_app.command("check")
+def pipeline_check(file: Path = typer.Argument(..., help="Pipeline YAML.")) -> None:
+    """Validate the YAML, every operator and its arguments, and the expectations; run nothing."""
+    from reservoir.pipeline.bridge import build_steps
+    from reservoir.pipeline.spec import load_pipeline
+    from reservoir.pipeline.validate import check_specs
+
+    spec = load_pipeline(file)
+    steps = build_steps(spec.operators, spec.text_key)
+    check_specs(spec.validate_.expectations)
+    console.print(f"{file}: pipeline {spec.name!r} is valid: {len(steps)} operators "
+                  f"({', '.join(step.name for step in steps) or 'none'}), "
+                  f"{len(spec.validate_.expectations)} expectations")
+
+
+@pipeline_app.command("run")
+def pipeline_run(file: Path = typer.Argument(..., help="Pipeline YAML."),
+                 run: Optional[list[str]] = typer.Option(None, "--run",
+                                                         help="Run(s) whose rows to process."),
+                 dry_run: bool = typer.Option(False, help="Show what would change; change nothing."),
+                 config: Optional[Path] = ConfigOption) -> None:
+    """Run a pipeline once: select, operators, validation, one transaction of changes."""
+    from reservoir.pipeline.report import show_result
+    from reservoir.pipeline.runner import run_pipeline
+    from reservoir.pipeline.spec import load_pipeline
+
+    spec = load_pipeline(file)
+    with _open(config) as store, console.status("running pipeline") as status:
+        result = run_pipeline(store, spec, runs=run or None, dry_run=dry_run,
+                              source_file=str(file),
+                              progress=lambda message: status.update(message))
+    show_result(console, spec, result)
+
+
+@pipeline_app.command("ops")
+def pipeline_ops(match: Optional[str] = typer.Argument(None, help="Only names containing this.")
+                 ) -> None:
+    """Operators a pipeline can use (Data-Juicer's and Reservoir's) with their arguments."""
+    from reservoir.pipeline.report import operators_table
+
+    console.print(operators_table(match))
+
+
+@pipeline_app.command("history")
+def pipeline_history(pipeline: Optional[str] = typer.Argument(None, help="Pipeline name."),
+                     limit: int = typer.Option(20, help="How many runs."),
+                     config: Optional[Path] = ConfigOption) -> None:
+    """Recent pipeline runs: status, rows in / out / dropped, duration, error."""
+    from reservoir.pipeline.report import history_table
+    from reservoir.store.pipelines import history
+
+    with _open(config) as store, store.engine.connect() as conn:
+        console.print(history_table(history(conn, pipeline, limit)))

@@ -78,6 +78,7 @@ def check_specs(expectations) -> None:
 
 
 def _expectation(name: str, kwargs: dict):
+    _gx()
     from great_expectations.expectations.registry import get_expectation_impl
 
     if name == GROUP_SIZE:

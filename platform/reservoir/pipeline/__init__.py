@@ -1,0 +1,1 @@
+"""Pipelines: operator YAML, the Data-Juicer bridge, validation, the runner and the scheduler."""

@@ -1,0 +1,158 @@
+"""Data-Juicer in process: operators resolved from its registry (ours included), arguments
+checked against each operator's signature, and one operator at a time on an in-memory dataset,
+so every row an operator drops or changes can be attributed to it.
+
+Data-Juicer accepts unknown and mistyped arguments silently and, with `skip_op_error`, turns a
+batch where one row raises into an empty batch; here an unknown argument, a wrong type or
+`skip_op_error: true` is an error that names the operator, and errors inside an operator
+propagate.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from reservoir.errors import ConfigError
+
+# Arguments every Data-Juicer operator takes (data_juicer.ops.base_op.OP.__init__).
+COMMON_ARGS = {
+    "accelerator", "adaptive_batching", "audio_key", "auto_op_parallelism", "batch_mode",
+    "batch_size", "cpu_required", "gpu_required", "history_key", "image_bytes_key",
+    "image_key", "index_key", "instruction_key", "mem_required", "memory", "num_cpus",
+    "num_gpus", "num_proc", "prompt_key", "query_key", "ray_execution_mode", "response_key",
+    "runtime_env", "skip_op_error", "system_key", "text_key", "turbo", "video_key", "work_dir",
+}
+
+
+def registry() -> dict[str, type]:
+    """Every operator Data-Juicer knows, ours (reservoir.operators) included.
+
+    Importing Data-Juicer configures logging for the whole process (a loguru sink on stderr at
+    INFO, and the standard root logger at INFO): both are put back as they were."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    from loguru import logger
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    logger.remove()
+    import datasets
+    from data_juicer.ops import OPERATORS
+
+    import reservoir.operators  # noqa: F401  (registers ours)
+
+    logger.remove()
+    root.handlers[:], root.level = handlers, level
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+
+    return OPERATORS.modules
+
+
+@dataclass(frozen=True)
+class Step:
+    index: int
+    name: str
+    op: Any  # a Data-Juicer operator instance
+
+    @property
+    def kind(self) -> str:
+        from data_juicer.ops.base_op import Deduplicator, Filter, Mapper
+
+        for base, kind in ((Filter, "filter"), (Deduplicator, "deduplicator"), (Mapper, "mapper")):
+            if isinstance(self.op, base):
+                return kind
+        return "other"
+
+
+def parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """Named constructor parameters of an operator class and its bases up to OP."""
+    found: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass.__name__ == "OP":
+            continue
+        for name, parameter in inspect.signature(init).parameters.items():
+            if name != "self" and parameter.kind not in (parameter.VAR_POSITIONAL,
+                                                          parameter.VAR_KEYWORD):
+                found.setdefault(name, parameter)
+    return found
+
+
+def check_args(index: int, name: str, args: dict[str, Any], known: dict[str, type]) -> None:
+    """Unknown operator, unknown argument or wrong type: a ConfigError naming all three."""
+    where = f"process[{index}] ({name})"
+    if name not in known:
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else "; `reservoir pipeline ops` lists them"
+        raise ConfigError(f"{where}: unknown operator{hint}")
+    if args.get("skip_op_error"):
+        raise ConfigError(f"{where}: skip_op_error is not allowed: Data-Juicer would replace a "
+                          "batch where one row fails with an empty batch and report no error")
+    params = parameters(known[name])
+    for key, value in args.items():
+        if key not in params and key not in COMMON_ARGS:
+            close = difflib.get_close_matches(key, list(params) + sorted(COMMON_ARGS), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{where}: unknown argument '{key}'{hint}")
+        annotation = params[key].annotation if key in params else inspect.Parameter.empty
+        _check_type(where, key, value, annotation)
+
+
+def _check_type(where: str, key: str, value: Any, annotation: Any) -> None:
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+        return
+    try:
+        adapter = TypeAdapter(annotation)
+    except Exception:  # an annotation pydantic cannot check (a forward reference, a class)
+        return
+    try:
+        adapter.validate_python(value, strict=False)
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"]
+        raise ConfigError(f"{where}: argument '{key}' = {value!r}: {reason}") from None
+
+
+def build_steps(operators: list[tuple[str, dict[str, Any]]], text_key: str) -> list[Step]:
+    """Operator instances, after checking every name and argument."""
+    known = registry()
+    for index, (name, args) in enumerate(operators):
+        check_args(index, name, args, known)
+    steps = []
+    for index, (name, args) in enumerate(operators):
+        # in this process (num_proc 1 still forks a pool of one), one batch for single-row
+        # operators (without turbo every later operator gets one-row table chunks)
+        options = {"text_key": text_key, "auto_op_parallelism": False, "turbo": True, **args,
+                   "skip_op_error": False}
+        try:
+            steps.append(Step(index, name, known[name](**options)))
+        except Exception as exc:  # the operator's own argument checks
+            raise ConfigError(f"process[{index}] ({name}): {exc}") from None
+    return steps
+
+
+def dataset(rows: list[dict[str, Any]]):
+    from data_juicer.core.data import NestedDataset
+
+    return NestedDataset.from_list(rows)
+
+
+def run_step(step: Step, data):
+    """(output, rows with this filter's stats or None): filters compute stats once, then keep.
+
+    Stats and dedup hashes are removed before each operator: Data-Juicer caches them by name,
+    so a second filter or deduplicator on another field would reuse the first one's."""
+    stale = [c for c in ("__dj__stats__", "__dj__hash") if c in data.column_names]
+    data = data.remove_columns(stale) if stale else data
+    if step.kind == "filter":
+        with_stats = step.op.run(data, reduce=False)
+        kept = with_stats.filter(step.op.process, num_proc=step.op.runtime_np(),
+                                 batch_size=step.op.batch_size)
+        return kept, with_stats
+    return step.op.run(data), None

@@ -1,0 +1,77 @@
+"""What a person reads about pipelines: a run's result, the operators, the history."""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from reservoir.pipeline.bridge import parameters, registry
+from reservoir.pipeline.runner import PipelineResult
+from reservoir.pipeline.spec import PipelineSpec
+
+
+def show_result(console: Console, spec: PipelineSpec, result: PipelineResult) -> None:
+    verb = "would change (dry run, nothing was written)" if result.dry_run else "changed"
+    steps = Table(title=f"pipeline {spec.name!r}: run {result.pipeline_run_id}, "
+                        f"{result.rows_in} rows in, {result.rows_out} out")
+    for column in ("operator", "in", "out", "dropped", "seconds"):
+        steps.add_column(column, justify="left" if column == "operator" else "right")
+    for op in result.operators:
+        steps.add_row(op["operator"], str(op["in"]), str(op["out"]), str(op["in"] - op["out"]),
+                      f"{op['seconds']:.2f}")
+    parts = [steps]
+    if result.validations:
+        checks = Table(title="validation")
+        for column in ("expectation", "arguments", "success", "unexpected"):
+            checks.add_column(column)
+        for outcome in result.validations:
+            checks.add_row(outcome.expectation, str(outcome.kwargs), str(outcome.success),
+                           str(outcome.unexpected_count))
+        parts.append(checks)
+    console.print(Group(*parts))
+    statuses = Counter(result.changes.statuses.values())
+    console.print(f"{verb}: " + (", ".join(f"{n} rows -> {s}" for s, n in statuses.items())
+                                 or "no statuses") +
+                  f"; {len(result.changes.values)} rows' fields; "
+                  f"{len(result.changes.events)} operator events"
+                  + (f"; {result.skipped} rows skipped (changed meanwhile)" if result.skipped else ""))
+    for event in result.changes.events[:5]:
+        console.print(f"  experience {event['experience_id']}: {event['kind']} by "
+                      f"{event['operator']}: {event.get('reason')}", highlight=False)
+
+
+def operators_table(match: str | None = None) -> Table:
+    table = Table(title="operators (reservoir.* are Reservoir's; the rest are Data-Juicer's)")
+    for column in ("operator", "kind", "from", "arguments (default)"):
+        table.add_column(column)
+    for name, cls in sorted(registry().items()):
+        if match and match not in name:
+            continue
+        origin = "reservoir" if cls.__module__.startswith("reservoir.") else "data-juicer"
+        kind = next((base.__name__.lower() for base in cls.__mro__
+                     if base.__name__ in ("Filter", "Mapper", "Deduplicator", "Selector",
+                                          "Grouper", "Aggregator", "Pipeline")), "op")
+        args = ", ".join(f"{param}={_default(p)}" for param, p in parameters(cls).items())
+        table.add_row(name, kind, origin, args)
+    return table
+
+
+def _default(parameter: inspect.Parameter) -> str:
+    return "required" if parameter.default is inspect.Parameter.empty else repr(parameter.default)
+
+
+def history_table(rows: list[dict]) -> Table:
+    table = Table(title="pipeline runs, newest first")
+    for column in ("id", "pipeline", "trigger", "status", "in", "out", "dropped", "seconds",
+                   "started", "error"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(str(row["id"]), row["pipeline"], row["trigger"], row["status"],
+                      *(str(row[k]) if row[k] is not None else "-"
+                        for k in ("rows_in", "rows_out", "rows_dropped")),
+                      f"{row['duration_s']:.2f}" if row["duration_s"] is not None else "-",
+                      row["started_at"].strftime("%Y-%m-%d %H:%M:%S"), (row["error"] or "")[:80])
+    return table

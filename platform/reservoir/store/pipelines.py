@@ -1,0 +1,149 @@
+"""Queries for pipelines: their runs, the rows they read, and everything they write back.
+
+A pipeline's changes are written by `apply` in the caller's transaction: row updates, child
+rows, operator events, validations and task fields together, so they commit whole or not at
+all. The pipeline_runs row is written in transactions of its own, so a failed run leaves it
+(status failed, the error) and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from sqlalchemy import (BigInteger, Connection, Float, Text, bindparam, func, insert, select,
+                        text, update)
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from reservoir.store.ledger import finite
+from reservoir.store.schema import experiences, operator_events, pipeline_runs, reviews, tasks, validations
+
+# Columns a pipeline reads: token ids and logprobs stay in the store.
+EXPERIENCE_FIELDS = ("id", "run_id", "task_id", "group_id", "policy_version", "prompt_text",
+                     "response_text", "reward", "reward_components", "metadata", "status",
+                     "priority", "times_sampled", "response_len", "created_at")
+TASK_FIELDS = ("id", "run_id", "prompt", "answer", "payload", "source", "split", "difficulty",
+               "priority", "times_explored", "created_at")
+
+
+@dataclass
+class Changes:
+    """Everything one pipeline run writes back."""
+
+    statuses: dict[int, str] = field(default_factory=dict)            # id -> new status
+    values: dict[int, dict[str, Any]] = field(default_factory=dict)   # id -> changed fields
+    events: list[dict[str, Any]] = field(default_factory=list)
+    validations: list[dict[str, Any]] = field(default_factory=list)
+    task_values: dict[int, dict[str, Any]] = field(default_factory=dict)
+    held: dict[int, str] = field(default_factory=dict)                # id -> review reason
+
+
+def start_run(conn: Connection, *, pipeline: str, spec: dict, spec_hash: str,
+              source_file: str | None, run_ids: list[int], trigger: str,
+              schedule_id: int | None = None) -> int:
+    return conn.execute(insert(pipeline_runs).values(
+        pipeline=pipeline, spec=spec, spec_hash=spec_hash, source_file=source_file,
+        run_ids=run_ids, trigger=trigger, schedule_id=schedule_id)
+        .returning(pipeline_runs.c.id)).scalar_one()
+
+
+def finish_run(conn: Connection, run_id: int, *, status: str, duration_s: float,
+               rows_in: int | None = None, rows_out: int | None = None,
+               rows_dropped: int | None = None, operators: list | None = None,
+               error: str | None = None) -> None:
+    conn.execute(update(pipeline_runs).where(pipeline_runs.c.id == run_id).values(
+        status=status, duration_s=duration_s, rows_in=rows_in, rows_out=rows_out,
+        rows_dropped=rows_dropped, operators=operators or [], error=error,
+        finished_at=func.now()))
+
+
+def select_rows(conn: Connection, table: str, *, run_ids: Sequence[int],
+                statuses: Sequence[str], where: str | None, params: dict[str, Any],
+                order_by: Sequence[str], limit: int | None) -> list[dict[str, Any]]:
+    """The source rows, read in a read-only transaction: the engineer's `where` is SQL text,
+    and every value it uses is a bound parameter."""
+    source = experiences if table == "experiences" else tasks
+    fields = EXPERIENCE_FIELDS if table == "experiences" else TASK_FIELDS
+    stmt = select(*[source.c[name] for name in fields])
+    if run_ids:
+        stmt = stmt.where(source.c.run_id.in_(list(run_ids)))
+    if table == "experiences" and statuses:
+        stmt = stmt.where(source.c.status.in_(list(statuses)))
+    if where:
+        stmt = stmt.where(text(f"({where})").bindparams(**params))
+    order = [source.c[name.removeprefix("-")].desc() if name.startswith("-")
+             else source.c[name] for name in order_by if name.removeprefix("-") in source.c]
+    stmt = stmt.order_by(*order).limit(limit)
+    conn.execute(text("SET TRANSACTION READ ONLY"))
+    return [dict(row) for row in conn.execute(stmt).mappings()]
+
+
+def lock_unchanged(conn: Connection, ids: list[int], statuses: dict[int, str]) -> set[int]:
+    """Lock the rows still in the status they were read in; others changed meanwhile."""
+    rows = conn.execute(select(experiences.c.id, experiences.c.status)
+                        .where(experiences.c.id.in_(ids)).with_for_update())
+    return {row.id for row in rows if statuses.get(row.id) == row.status}
+
+
+def apply(conn: Connection, pipeline_run_id: int, changes: Changes) -> None:
+    """Write a pipeline's decisions (the caller's transaction makes them one)."""
+    _update_experiences(conn, changes)
+    if changes.task_values:
+        for task_id, values in changes.task_values.items():
+            conn.execute(update(tasks).where(tasks.c.id == task_id).values(**values))
+    if changes.events:
+        conn.execute(insert(operator_events), [
+            {**event, "pipeline_run_id": pipeline_run_id, "stats": finite(event.get("stats", {}))}
+            for event in changes.events])
+    if changes.validations:
+        conn.execute(insert(validations), [
+            {**row, "pipeline_run_id": pipeline_run_id} for row in changes.validations])
+    if changes.held:
+        conn.execute(insert(reviews), [
+            {"experience_id": eid, "pipeline_run_id": pipeline_run_id, "reason": reason}
+            for eid, reason in changes.held.items()])
+
+
+UPDATE_ROWS = text("""
+UPDATE experiences e SET
+    status = coalesce(v.status, e.status),
+    priority = coalesce(v.priority, e.priority),
+    reward = coalesce(v.reward, e.reward),
+    response_text = coalesce(v.response_text, e.response_text),
+    reward_components = coalesce(v.reward_components::jsonb, e.reward_components),
+    metadata = coalesce(v.metadata::jsonb, e.metadata)
+FROM unnest(:ids, :status, :priority, :reward, :response_text, :reward_components, :metadata)
+    AS v (id, status, priority, reward, response_text, reward_components, metadata)
+WHERE e.id = v.id
+""").bindparams(
+    bindparam("ids", type_=ARRAY(BigInteger)), bindparam("status", type_=ARRAY(Text)),
+    bindparam("priority", type_=ARRAY(Float)), bindparam("reward", type_=ARRAY(Float)),
+    bindparam("response_text", type_=ARRAY(Text)),
+    bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)))
+
+
+def _update_experiences(conn: Connection, changes: Changes) -> None:
+    ids = sorted(set(changes.statuses) | set(changes.values))
+    if not ids:
+        return
+    values = [changes.values.get(i, {}) for i in ids]
+    as_json = lambda v: None if v is None else json.dumps(v)  # noqa: E731
+    conn.execute(UPDATE_ROWS, {
+        "ids": ids, "status": [changes.statuses.get(i) for i in ids],
+        "priority": [v.get("priority") for v in values],
+        "reward": [v.get("reward") for v in values],
+        "response_text": [v.get("response_text") for v in values],
+        "reward_components": [as_json(v.get("reward_components")) for v in values],
+        "metadata": [as_json(v.get("metadata")) for v in values]})
+
+
+def history(conn: Connection, pipeline: str | None, limit: int) -> list[dict[str, Any]]:
+    stmt = select(pipeline_runs.c.id, pipeline_runs.c.pipeline, pipeline_runs.c.trigger,
+                  pipeline_runs.c.status, pipeline_runs.c.rows_in, pipeline_runs.c.rows_out,
+                  pipeline_runs.c.rows_dropped, pipeline_runs.c.duration_s,
+                  pipeline_runs.c.started_at, pipeline_runs.c.error)
+    if pipeline:
+        stmt = stmt.where(pipeline_runs.c.pipeline == pipeline)
+    stmt = stmt.order_by(pipeline_runs.c.id.desc()).limit(limit)
+    return [dict(row) for row in conn.execute(stmt).mappings()]
