@@ -78,11 +78,19 @@ def parameters(cls: type) -> dict[str, inspect.Parameter]:
         init = klass.__dict__.get("__init__")
         if init is None or klass.__name__ == "OP":
             continue
-        for name, parameter in inspect.signature(init).parameters.items():
+        for name, parameter in _signature(init).parameters.items():
             if name != "self" and parameter.kind not in (parameter.VAR_POSITIONAL,
                                                           parameter.VAR_KEYWORD):
                 found.setdefault(name, parameter)
     return found
+
+
+def _signature(function) -> inspect.Signature:
+    """With string annotations resolved where they can be (modules using postponed ones)."""
+    try:
+        return inspect.signature(function, eval_str=True)
+    except Exception:  # an annotation that names something not importable here
+        return inspect.signature(function)
 
 
 def check_args(index: int, name: str, args: dict[str, Any], known: dict[str, type]) -> None:

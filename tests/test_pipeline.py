@@ -1,0 +1,159 @@
+"""Pipelines on real PostgreSQL rows with real Data-Juicer operators and great-expectations."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from reservoir.errors import ConfigError
+from reservoir.pipeline.runner import PipelineFailed, run_pipeline
+from reservoir.pipeline.spec import load_pipeline, parse_pipeline
+from tests.factories import make_group
+
+CLEAN = {
+    "name": "clean", "source": {"runs": ["p"], "status": ["raw"]},
+    "process": [{"reward_range_filter": {"min_reward": 0, "max_reward": 1}},
+                {"text_length_filter": {"min_len": 1}},
+                {"document_deduplicator": {"lowercase": True}},
+                {"group_variance_filter": {}}],
+}
+
+
+def rows(store, sql: str, **params):
+    with store.engine.connect() as conn:
+        return conn.execute(text(sql), params).all()
+
+
+def mixed_rows(store) -> dict[str, list[int]]:
+    """Groups of 4 raw rows, each with one kind of trouble; returns their ids by kind."""
+    store.create_run("p", group_size=4)
+    groups = {
+        "good": make_group("p", seed=1, rewards=[0, 1, 0, 1]),       # reward 0 is kept
+        "nan": make_group("p", seed=2, rewards=[0, 1, 1, 0]),        # one NaN reward below
+        "empty": make_group("p", seed=3, rewards=[1, 0, 0, 1]),      # one empty response
+        "duplicate": make_group("p", seed=4, rewards=[1, 0, 1, 0]),  # one repeats "good"'s
+        "flat": make_group("p", seed=5, rewards=[1, 1, 1, 1]),       # zero variance
+    }
+    groups["duplicate"][2] = make_group("p", seed=4, response_text="response 1.0")[2]
+    store.write_groups(list(groups.values()), status="raw")
+    with store.engine.begin() as conn:
+        # what a careless import could leave (the writer refuses both)
+        conn.execute(text("UPDATE experiences SET reward = 'NaN' WHERE id = 6"))
+        conn.execute(text("UPDATE experiences SET response_text = '' WHERE id = 10"))
+    ids = iter(range(1, 21))
+    return {kind: [next(ids) for _ in range(4)] for kind in groups}
+
+
+def snapshot(store):
+    """Every column a pipeline must not touch, for every row."""
+    return rows(store, "SELECT id, run_id, task_id, group_id, policy_version, prompt_text, "
+                       "response_text, prompt_ids, response_ids, logprobs, action_mask, "
+                       "reward::text, reward_components, times_sampled FROM experiences ORDER BY id")
+
+
+def test_mixed_rows_end_exactly_ready_or_quarantined_with_reasons(store):
+    ids = mixed_rows(store)
+    before = snapshot(store)
+    result = run_pipeline(store, parse_pipeline(CLEAN))
+    quarantined = {6, 10, 15} | set(ids["flat"])
+    status = dict(rows(store, "SELECT id, status FROM experiences"))
+    assert {i for i, s in status.items() if s == "quarantined"} == quarantined
+    assert {i for i, s in status.items() if s == "ready"} == set(range(1, 21)) - quarantined
+    reasons = dict(rows(store, "SELECT experience_id, operator FROM operator_events "
+                               "WHERE kind = 'dropped'"))
+    assert reasons == {6: "reward_range_filter", 10: "text_length_filter",
+                       15: "document_deduplicator", **{i: "group_variance_filter"
+                                                       for i in ids["flat"]}}
+    assert all(reason for (reason,) in rows(store, "SELECT reason FROM operator_events"))
+    assert snapshot(store) == before  # statuses changed, nothing else
+    assert rows(store, "SELECT status, rows_in, rows_out, rows_dropped FROM pipeline_runs") == [
+        ("succeeded", 20, 13, 7)]
+    assert [op["out"] for op in result.operators] == [19, 18, 17, 13]
+
+
+def test_dry_run_changes_nothing_but_reports(store):
+    mixed_rows(store)
+    result = run_pipeline(store, parse_pipeline(CLEAN), dry_run=True)
+    assert result.dry_run and len(result.changes.statuses) == 20
+    assert rows(store, "SELECT DISTINCT status FROM experiences") == [("raw",)]
+    assert rows(store, "SELECT count(*) FROM operator_events") == [(0,)]
+    assert rows(store, "SELECT status, trigger FROM pipeline_runs") == [("dry_run", "dry-run")]
+
+
+def test_a_failing_operator_changes_nothing_but_its_pipeline_run(store):
+    mixed_rows(store)
+    spec = parse_pipeline({**CLEAN, "process": [
+        {"reward_range_filter": {"min_reward": 0}},
+        {"reward_shaping_mapper": {"source": "no_such_component"}}]})
+    with pytest.raises(PipelineFailed, match="no reward component or field 'no_such_component'"):
+        run_pipeline(store, spec)
+    assert rows(store, "SELECT DISTINCT status FROM experiences") == [("raw",)]
+    assert rows(store, "SELECT count(*) FROM operator_events") == [(0,)]
+    (status, error), = rows(store, "SELECT status, error FROM pipeline_runs")
+    assert status == "failed" and "no_such_component" in error
+
+
+def test_validation_quarantines_failing_rows_and_stores_results(store):
+    mixed_rows(store)
+    spec = parse_pipeline({**CLEAN, "process": [], "validate": {
+        "expectations": [
+            {"expect_column_value_lengths_to_be_between": {"column": "response_text",
+                                                            "min_value": 1}},
+            {"expect_group_size": {"n": 4}}],
+        "on_failure": "quarantine"}})
+    run_pipeline(store, spec)
+    assert rows(store, "SELECT id FROM experiences WHERE status = 'quarantined'") == [(10,)]
+    found = rows(store, "SELECT expectation, success, unexpected_count FROM validations "
+                        "ORDER BY id")
+    assert found == [("expect_column_value_lengths_to_be_between", False, 1),
+                     ("expect_group_size", True, 0)]
+    (reason,), = rows(store, "SELECT reason FROM operator_events WHERE kind = 'quarantined'")
+    assert "expect_column_value_lengths_to_be_between" in reason
+
+
+def test_validation_fail_changes_nothing(store):
+    mixed_rows(store)
+    spec = parse_pipeline({**CLEAN, "process": [], "validate": {
+        "expectations": [{"expect_column_values_to_be_unique": {"column": "response_text"}}],
+        "on_failure": "fail"}})
+    with pytest.raises(PipelineFailed, match="expect_column_values_to_be_unique"):
+        run_pipeline(store, spec)
+    assert rows(store, "SELECT DISTINCT status FROM experiences") == [("raw",)]
+    assert rows(store, "SELECT status FROM pipeline_runs") == [("failed",)]
+
+
+def test_bad_pipelines_name_file_key_and_operator(tmp_path, store):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("source:\n  runs: [p]\n  limt: 3\nprocess:\n  - text_length_filter: {}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: invalid pipeline\n  source.limt \(line 3\): "
+                                          r"unknown key; did you mean 'limit'"):
+        load_pipeline(bad)
+    bad.write_text("process: [\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_pipeline(bad)
+    store.create_run("p")
+    for process, message in (
+        ({"text_lenght_filter": {}}, r"process\[0\] \(text_lenght_filter\): unknown operator; "
+                                     r"did you mean 'text_length_filter'"),
+        ({"text_length_filter": {"min_lenn": 3}}, r"process\[0\] \(text_length_filter\): "
+                                                  r"unknown argument 'min_lenn'; did you mean"),
+        ({"reward_range_filter": {"min_reward": "low"}}, r"argument 'min_reward' = 'low'"),
+        ({"text_length_filter": {"skip_op_error": True}}, "skip_op_error is not allowed"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            run_pipeline(store, parse_pipeline({"name": "bad", "process": [process]}))
+    assert rows(store, "SELECT count(*) FROM pipeline_runs") == [(0,)]  # refused before running
+
+
+def test_source_where_is_read_only_and_bound(store):
+    mixed_rows(store)
+    spec = parse_pipeline({**CLEAN, "process": [], "source": {
+        "runs": ["p"], "status": ["raw"], "where": "reward >= :floor", "params": {"floor": 1}}})
+    result = run_pipeline(store, spec)
+    assert result.rows_in == 11  # 10 rows with reward 1, and NaN sorts above every number
+    evil = parse_pipeline({**CLEAN, "process": [], "source": {
+        "runs": ["p"], "status": ["ready"],
+        "where": "setval('experiences_id_seq', 1) > 0"}})  # a write, refused
+    with pytest.raises(PipelineFailed, match="read-only transaction"):
+        run_pipeline(store, evil)
+    assert rows(store, "SELECT count(*) FROM experiences") == [(20,)]
