@@ -13,7 +13,7 @@ from typing import Iterator
 
 from data_juicer.ops.base_op import OPERATORS, Filter, Mapper
 from data_juicer.utils.constant import Fields
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, case, func, select
 
 from reservoir.operators.common import WHOLE, finite
 from reservoir.operators.priority import pass_rate_priority
@@ -129,7 +129,7 @@ class TaskDifficultyMapper(Mapper):
     def _pass_rates(self, task_ids) -> dict[int, float]:
         score = (experiences.c.reward_components[self.component].as_float()
                  if self.component else experiences.c.reward)
-        passed = func.avg(func.cast(score >= self.threshold, experiences.c.reward.type))
+        passed = func.avg(case((score >= self.threshold, 1.0), else_=0.0))
         with engine_for(self._name, self.db_url).connect() as conn:
             return dict(conn.execute(select(experiences.c.task_id, passed)
                                      .where(experiences.c.task_id.in_(task_ids))

@@ -157,3 +157,41 @@ def test_source_where_is_read_only_and_bound(store):
     with pytest.raises(PipelineFailed, match="read-only transaction"):
         run_pipeline(store, evil)
     assert rows(store, "SELECT count(*) FROM experiences") == [(20,)]
+
+
+def test_sigkill_mid_run_changes_nothing_and_a_rerun_completes_once(tmp_path, store, db_url):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    store.create_run("p", group_size=4)
+    store.write_groups([make_group("p", seed=i, rewards=[1, 1, 1, 1] if i % 2 else [0, 1, 0, 1])
+                        for i in range(800)], status="raw")  # every other group is flat
+    pipeline = tmp_path / "clean.yaml"
+    pipeline.write_text("source: {runs: [p]}\nprocess:\n"
+                        "  - text_length_filter: {min_len: 1}\n"
+                        "  - document_deduplicator: {}\n  - group_variance_filter: {}\n")
+    command = [str(Path(sys.executable).with_name("reservoir")), "pipeline", "run", str(pipeline)]
+    env = {**os.environ, "RESERVOIR_DB_URL": db_url}
+    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not rows(store, "SELECT 1 FROM pipeline_runs") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # inside the operators
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert rows(store, "SELECT status FROM pipeline_runs") == [("running",)]
+    assert rows(store, "SELECT DISTINCT status FROM experiences") == [("raw",)]
+    assert rows(store, "SELECT count(*) FROM operator_events") == [(0,)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert rows(store, "SELECT status, count(*) FROM experiences GROUP BY 1 ORDER BY 1") == [
+        ("quarantined", 1600), ("ready", 1600)]
+    assert rows(store, "SELECT count(*), count(DISTINCT experience_id) FROM operator_events"
+                ) == [(1600, 1600)]  # one decision per dropped row, made once
+    assert rows(store, "SELECT status FROM pipeline_runs ORDER BY id") == [
+        ("running",), ("succeeded",)]  # the killed run is left as it was: running, no end
