@@ -72,6 +72,7 @@ def upgrade() -> None:
         sa.Column("enabled", sa.Boolean(), server_default=sa.text("true"), nullable=False),
         sa.Column("last_run_at", sa.DateTime(timezone=True)),
         sa.Column("next_run_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("missed_runs", sa.Integer(), server_default="0", nullable=False),
         _now())
     op.create_table(
         "pipeline_runs", _id(),

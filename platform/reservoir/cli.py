@@ -35,6 +35,8 @@ app.add_typer(tasks_app, name="tasks")
 pipeline_app = typer.Typer(help="Data pipelines: operator YAML run against the store.",
                            no_args_is_help=True)
 app.add_typer(pipeline_app, name="pipeline")
+schedule_app = typer.Typer(help="Cron-scheduled pipelines.", no_args_is_help=True)
+app.add_typer(schedule_app, name="schedule")
 
 console = Console()
 errors = Console(stderr=True)
@@ -376,3 +378,57 @@ def pipeline_history(pipeline: Optional[str] = typer.Argument(None, help="Pipeli
 
     with _open(config) as store, store.engine.connect() as conn:
         console.print(history_table(history(conn, pipeline, limit)))
+
+
+@schedule_app.command("add")
+def schedule_add(file: Path = typer.Argument(..., help="Pipeline YAML (mode: once)."),
+                 cron: str = typer.Option(..., "--cron", help="Cron expression, e.g. '*/10 * * * *'."),
+                 name: Optional[str] = typer.Option(None, help="Default: the pipeline's name."),
+                 config: Optional[Path] = ConfigOption) -> None:
+    """Schedule a pipeline (checked first); `schedule serve` runs it when due."""
+    from reservoir.pipeline.schedule import add_schedule
+
+    with _open(config) as store:
+        schedule_id = add_schedule(store, file, cron, name)
+    console.print(f"schedule {schedule_id}: {file} at '{cron}'")
+
+
+@schedule_app.command("list")
+def schedule_list(config: Optional[Path] = ConfigOption) -> None:
+    """Schedules: pipeline file, cron, last and next run, missed runs."""
+    from reservoir.store.schedules import listed
+
+    table = Table(title="schedules")
+    for column in ("name", "pipeline", "cron", "enabled", "last run", "next run", "missed"):
+        table.add_column(column)
+    with _open(config) as store, store.engine.connect() as conn:
+        for row in listed(conn):
+            table.add_row(row["name"], row["pipeline_file"], row["cron"], str(row["enabled"]),
+                          str(row["last_run_at"] or "-"), str(row["next_run_at"]),
+                          str(row["missed_runs"]))
+    console.print(table)
+
+
+@schedule_app.command("remove")
+def schedule_remove(name: str, config: Optional[Path] = ConfigOption) -> None:
+    """Remove a schedule (its past pipeline runs stay)."""
+    from reservoir.store.schedules import remove
+
+    with _open(config) as store, store.engine.begin() as conn:
+        if not remove(conn, name):
+            raise ReservoirError(f"no schedule named {name!r} (see `reservoir schedule list`)")
+    console.print(f"schedule {name!r} removed")
+
+
+@schedule_app.command("serve")
+def schedule_serve(poll: float = typer.Option(10.0, help="Seconds between checks."),
+                   once: bool = typer.Option(False, help="Run what is due now, then exit."),
+                   config: Optional[Path] = ConfigOption) -> None:
+    """Run due pipelines (any number of schedulers may serve one store)."""
+    from reservoir.pipeline.schedule import serve
+
+    with _open(config) as store:
+        try:
+            serve(store, console, poll_s=poll, once=once)
+        except KeyboardInterrupt:
+            console.print("scheduler stopped")

@@ -234,6 +234,7 @@ schedules = Table(
     Column("enabled", Boolean, nullable=False, server_default=text("true")),
     Column("last_run_at", DateTime(timezone=True)),
     Column("next_run_at", DateTime(timezone=True), nullable=False),
+    Column("missed_runs", Integer, nullable=False, server_default="0"),
     _now(),
 )
 

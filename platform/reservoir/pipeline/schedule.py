@@ -1,0 +1,100 @@
+"""Cron-scheduled pipelines: `reservoir schedule add | list | remove | serve`.
+
+`serve` runs every due pipeline once per due time. Any number of schedulers may serve the same
+store: a PostgreSQL advisory lock per schedule lets one run it, and the schedule's next time is
+re-read under that lock, so a scheduler that waited for the lock does not run it again. If a
+scheduler was down past several due times, the pipeline runs once and the missed times are
+reported (and counted in `schedules.missed_runs`), not run one after another.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from croniter import croniter
+from rich.console import Console
+
+from reservoir.errors import ConfigError, ReservoirError
+from reservoir.pipeline.bridge import build_steps
+from reservoir.pipeline.runner import run_pipeline
+from reservoir.pipeline.spec import load_pipeline
+from reservoir.store import Store
+from reservoir.store import schedules as queries
+
+MAX_MISSED_COUNTED = 10_000
+
+
+def next_time(cron: str, after: datetime) -> datetime:
+    return croniter(cron, after).get_next(datetime)
+
+
+def missed_times(cron: str, due: datetime, now: datetime) -> int:
+    """Due times after `due` (the one being run) that have already passed."""
+    times, count = croniter(cron, due), 0
+    while count < MAX_MISSED_COUNTED and times.get_next(datetime) <= now:
+        count += 1
+    return count
+
+
+def add_schedule(store: Store, file: Path, cron: str, name: str | None = None) -> int:
+    """Check the pipeline and the cron expression, then schedule it (first run: next due time)."""
+    if not croniter.is_valid(cron):
+        raise ConfigError(f"--cron {cron!r}: not a cron expression (five fields, e.g. "
+                          "'*/10 * * * *' for every ten minutes)")
+    spec = load_pipeline(file)
+    if spec.mode == "stream":
+        raise ConfigError(f"{file}: mode is stream, which runs continuously; schedule a "
+                          "pipeline with mode: once")
+    build_steps(spec.operators, spec.text_key)
+    with store.engine.begin() as conn:
+        return queries.add(conn, name=name or spec.name, pipeline_file=str(Path(file).resolve()),
+                           cron=cron, next_run_at=next_time(cron, datetime.now(timezone.utc)))
+
+
+def run_due(store: Store, console: Console) -> list[int]:
+    """Run every due schedule this scheduler can lock; the ids of the schedules it ran."""
+    with store.engine.connect() as conn:
+        candidates = queries.due(conn)
+    ran = []
+    for schedule in candidates:
+        with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:
+            if not queries.try_lock(lock, schedule["id"]):
+                continue  # another scheduler is running it
+            try:
+                current = queries.still_due(lock, schedule["id"])
+                if current is not None:
+                    _run_one(store, current, console)
+                    ran.append(schedule["id"])
+            finally:
+                queries.unlock(lock, schedule["id"])
+    return ran
+
+
+def _run_one(store: Store, schedule: dict, console: Console) -> None:
+    now = datetime.now(timezone.utc)
+    missed = missed_times(schedule["cron"], schedule["next_run_at"], now)
+    if missed:
+        console.print(f"[yellow]schedule {schedule['name']!r}: {missed} due times were missed "
+                      "(no scheduler was serving); running it once now[/]")
+    try:
+        spec = load_pipeline(schedule["pipeline_file"])
+        result = run_pipeline(store, spec, trigger="schedule", schedule_id=schedule["id"],
+                              source_file=schedule["pipeline_file"])
+        console.print(f"schedule {schedule['name']!r}: pipeline run {result.pipeline_run_id}, "
+                      f"{result.rows_in} rows in, {result.rows_out} out")
+    except ReservoirError as exc:  # recorded in its pipeline_runs row; the schedule goes on
+        console.print(f"[red]schedule {schedule['name']!r} failed:[/] {exc}")
+    with store.engine.begin() as conn:
+        queries.advance(conn, schedule["id"], next_run_at=next_time(schedule["cron"], now),
+                        missed=missed)
+
+
+def serve(store: Store, console: Console, *, poll_s: float = 10.0, once: bool = False) -> None:
+    """Run due pipelines until interrupted (or one pass with once)."""
+    while True:
+        run_due(store, console)
+        if once:
+            return
+        time.sleep(poll_s)

@@ -1,0 +1,86 @@
+"""Scheduled pipelines: checked when added, run once per due time by any number of schedulers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from sqlalchemy import text
+
+from reservoir.errors import ConfigError
+from reservoir.pipeline.schedule import add_schedule, missed_times, run_due
+from reservoir.store.schedules import try_lock, unlock
+from tests.factories import make_group
+
+RESERVOIR = Path(sys.executable).with_name("reservoir")
+
+
+@pytest.fixture
+def pipeline(tmp_path, store):
+    store.create_run("s", group_size=4)
+    store.write_groups([make_group("s", seed=i) for i in range(20)], status="raw")
+    path = tmp_path / "clean.yaml"
+    path.write_text("source: {runs: [s]}\nprocess:\n  - group_variance_filter: {}\n")
+    return path
+
+
+def one(store, sql: str):
+    with store.engine.connect() as conn:
+        return conn.execute(text(sql)).one()
+
+
+def make_due(store, minutes: int = 10) -> None:
+    with store.engine.begin() as conn:
+        conn.execute(text(f"UPDATE schedules SET next_run_at = now() - interval '{minutes} minutes'"))
+
+
+def test_add_checks_cron_and_pipeline(tmp_path, store, pipeline):
+    with pytest.raises(ConfigError, match="--cron 'every day': not a cron expression"):
+        add_schedule(store, pipeline, "every day")
+    stream = tmp_path / "stream.yaml"
+    stream.write_text("mode: stream\nprocess: []\n")
+    with pytest.raises(ConfigError, match="mode is stream"):
+        add_schedule(store, stream, "* * * * *")
+    add_schedule(store, pipeline, "*/5 * * * *")
+    name, future = one(store, "SELECT name, next_run_at > now() FROM schedules")
+    assert (name, future) == ("clean", True)
+
+
+def test_a_locked_schedule_is_left_to_its_holder_and_runs_once(store, pipeline):
+    schedule_id = add_schedule(store, pipeline, "* * * * *")
+    make_due(store)
+    with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
+        assert try_lock(other, schedule_id)  # another scheduler is running it
+        assert run_due(store, Console(quiet=True)) == []
+        unlock(other, schedule_id)
+    assert run_due(store, Console(quiet=True)) == [schedule_id]
+    assert run_due(store, Console(quiet=True)) == []  # no longer due
+    assert one(store, "SELECT count(*), min(trigger), min(status) FROM pipeline_runs") == (
+        1, "schedule", "succeeded")
+    missed, later = one(store, "SELECT missed_runs, next_run_at > now() FROM schedules")
+    assert 9 <= missed <= 10 and later
+
+
+def test_two_schedulers_run_a_due_pipeline_exactly_once(store, pipeline, db_url):
+    add_schedule(store, pipeline, "* * * * *")
+    make_due(store, minutes=1)
+    env = {**os.environ, "RESERVOIR_DB_URL": db_url}
+    servers = [subprocess.Popen([str(RESERVOIR), "schedule", "serve", "--once"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for _ in range(2)]
+    outputs = [server.communicate(timeout=300)[0] for server in servers]
+    assert all(server.returncode == 0 for server in servers), outputs
+    assert one(store, "SELECT count(*) FROM pipeline_runs WHERE schedule_id IS NOT NULL") == (1,)
+    assert one(store, "SELECT count(*) FROM experiences WHERE status = 'raw'") == (0,)
+
+
+def test_missed_times_are_counted_not_stacked():
+    from datetime import datetime, timedelta, timezone
+
+    now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=timezone.utc)
+    assert missed_times("* * * * *", now - timedelta(minutes=5, seconds=30), now) == 5
+    assert missed_times("0 * * * *", now - timedelta(seconds=30), now) == 0  # due 12:00
