@@ -195,3 +195,23 @@ def test_sigkill_mid_run_changes_nothing_and_a_rerun_completes_once(tmp_path, st
                 ) == [(1600, 1600)]  # one decision per dropped row, made once
     assert rows(store, "SELECT status FROM pipeline_runs ORDER BY id") == [
         ("running",), ("succeeded",)]  # the killed run is left as it was: running, no end
+
+
+def test_held_rows_wait_for_a_verdict(store):
+    from reservoir.store.reviews import label, pending
+
+    mixed_rows(store)
+    spec = parse_pipeline({**CLEAN, "process": [
+        {"human_review_router": {"min_reward": 1, "max_reward": 1, "reason": "check wins"}}]})
+    run_pipeline(store, spec)
+    held = rows(store, "SELECT id FROM experiences WHERE status = 'held' ORDER BY id")
+    assert len(held) == 10  # every row with reward 1 (the NaN one is not in range)
+    with store.engine.begin() as conn:
+        first, second = pending(conn, "p", 10)[:2]
+        assert first["reason"] == "check wins"
+        assert label(conn, first["id"], verdict="accept", reviewer="ana", values={}) == "ready"
+        assert label(conn, second["id"], verdict="reject", reviewer="ana", values={}) == \
+            "quarantined"
+    assert rows(store, "SELECT status FROM experiences WHERE id = ANY(:ids) ORDER BY id",
+                ids=[first["experience_id"], second["experience_id"]]) == [
+        ("ready",), ("quarantined",)]

@@ -89,3 +89,32 @@ def test_bad_run_configs_name_the_key(tmp_path, db_url):
         parse_config({"explorer": {"n": "eight"}})
     with pytest.raises(ConfigError, match=r"sampler.max_staleness is unset"):
         parse_config({"run": {"mode": "async"}})
+
+
+def test_a_stream_pipeline_decides_what_the_trainer_may_lease(tmp_path, db_url):
+    pipeline = tmp_path / "gate.yaml"
+    pipeline.write_text("mode: stream\nsource: {status: [raw]}\n"
+                        "process:\n  - text_length_filter: {min_len: 3}\n"
+                        "  - human_review_router: {fraction: 0.3}\n")  # holds ~30 %
+    config = run_config(tmp_path, db_url, explorer={"workers": 1, "max_tokens": 6},
+                        trainer={"steps": 3, "eval_interval": 3})
+    config = config.model_copy(update={"pipelines": (pipeline,)})
+    summary = pool.run(config)
+    assert summary.steps == 3
+    found = ledger(db_url)
+    assert (found["bad_steps"], found["trained_twice"], found["status"]) == (0, 0, "finished")
+    with sync_engine(db_url).connect() as conn:
+        trained_but_dropped = conn.execute(text(
+            "SELECT count(*) FROM batch_items b JOIN operator_events o "
+            "ON o.experience_id = b.experience_id WHERE o.kind = 'dropped'")).scalar()
+        short_trained = conn.execute(text(
+            "SELECT count(*) FROM batch_items b JOIN experiences e ON e.id = b.experience_id "
+            "WHERE length(e.response_text) < 3")).scalar()
+        passes = conn.execute(text("SELECT count(*) FROM pipeline_runs WHERE trigger = 'stream' "
+                                   "AND status = 'succeeded'")).scalar()
+        held = conn.execute(text("SELECT count(*) FROM experiences e JOIN reviews r "
+                                 "ON r.experience_id = e.id WHERE e.status = 'held'")).scalar()
+        held_trained = conn.execute(text(
+            "SELECT count(*) FROM batch_items b JOIN reviews r USING (experience_id)")).scalar()
+    assert trained_but_dropped == 0 and short_trained == 0 and held_trained == 0
+    assert passes >= 1 and held > 0

@@ -37,6 +37,8 @@ pipeline_app = typer.Typer(help="Data pipelines: operator YAML run against the s
 app.add_typer(pipeline_app, name="pipeline")
 schedule_app = typer.Typer(help="Cron-scheduled pipelines.", no_args_is_help=True)
 app.add_typer(schedule_app, name="schedule")
+review_app = typer.Typer(help="Rows held for human review.", no_args_is_help=True)
+app.add_typer(review_app, name="review")
 
 console = Console()
 errors = Console(stderr=True)
@@ -352,11 +354,27 @@ def pipeline_run(file: Path = typer.Argument(..., help="Pipeline YAML."),
     from reservoir.pipeline.spec import load_pipeline
 
     spec = load_pipeline(file)
+    if spec.mode == "stream" and not dry_run:
+        _stream(file, run, config)
+        return
     with _open(config) as store, console.status("running pipeline") as status:
         result = run_pipeline(store, spec, runs=run or None, dry_run=dry_run,
                               source_file=str(file),
                               progress=lambda message: status.update(message))
     show_result(console, spec, result)
+
+
+def _stream(file: Path, runs: Optional[list[str]], config: Optional[Path]) -> None:
+    from reservoir.pipeline.stream import PipelineWorker
+
+    worker = PipelineWorker(_config(config), file, runs or None)
+    console.print(f"streaming {file}: raw rows are processed as they arrive (Ctrl-C stops)")
+    try:
+        stats = worker.run()
+    except KeyboardInterrupt:
+        return
+    console.print(f"pipeline {stats.pipeline!r}: {stats.passes} passes, {stats.rows_in} rows "
+                  f"in, {stats.rows_out} passed; its runs have ended")
 
 
 @pipeline_app.command("ops")
@@ -432,3 +450,40 @@ def schedule_serve(poll: float = typer.Option(10.0, help="Seconds between checks
             serve(store, console, poll_s=poll, once=once)
         except KeyboardInterrupt:
             console.print("scheduler stopped")
+
+
+@review_app.command("list")
+def review_list(run: Optional[str] = typer.Option(None, help="Only this run's rows."),
+                limit: int = typer.Option(20, help="How many."),
+                config: Optional[Path] = ConfigOption) -> None:
+    """Pending reviews: the held row's prompt, response, reward and why it was held."""
+    from reservoir.store.reviews import pending
+
+    table = Table(title="pending reviews")
+    for column in ("review", "experience", "run", "prompt", "response", "reward", "reason"):
+        table.add_column(column)
+    with _open(config) as store, store.engine.connect() as conn:
+        for row in pending(conn, run, limit):
+            table.add_row(str(row["id"]), str(row["experience_id"]), row["run"],
+                          row["prompt_text"][:40], row["response_text"][:40],
+                          f"{row['reward']:.3g}", row["reason"] or "")
+    console.print(table)
+
+
+@review_app.command("label")
+def review_label(review_id: int,
+                 verdict: str = typer.Option(..., help="accept (row becomes ready) or reject "
+                                                        "(quarantined)."),
+                 reviewer: Optional[str] = typer.Option(None, help="Who decided."),
+                 label: Optional[str] = typer.Option(None, help="Extra labels as JSON."),
+                 config: Optional[Path] = ConfigOption) -> None:
+    """Label a held row; it leaves `held` in the same transaction."""
+    from reservoir.store.reviews import label as record
+
+    try:
+        values = json.loads(label) if label else {}
+    except json.JSONDecodeError as exc:
+        raise ReservoirError(f"--label: not JSON: {exc}") from None
+    with _open(config) as store, store.engine.begin() as conn:
+        status = record(conn, review_id, verdict=verdict, reviewer=reviewer, values=values)
+    console.print(f"review {review_id}: {verdict}; the row is now {status}")

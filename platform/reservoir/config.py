@@ -138,6 +138,9 @@ class ReservoirConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     store: StoreConfig = StoreConfig()
     sampler: SamplerConfig = SamplerConfig()
+    pipelines: tuple[Path, ...] = Field(
+        default=(), description="stream pipelines a run starts: explorers then write raw rows, "
+        "and only rows a pipeline passes become ready for the trainer")
 
     @model_validator(mode="after")
     def _async_needs_staleness(self) -> ReservoirConfig:

@@ -20,6 +20,7 @@ from reservoir.errors import ReservoirError
 from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.monitor import Monitor, live
+from reservoir.pipeline.stream import PipelineWorker, stream_spec
 from reservoir.prepare import absolute, check_model, ensure_run
 from reservoir.store import Store
 from reservoir.trainer.worker import RunSummary, TrainerWorker
@@ -34,37 +35,47 @@ def run(config: ReservoirConfig, *, resume: bool = False,
 
     console = console or Console()
     config = _prepared(config)
+    for index, path in enumerate(config.pipelines):
+        stream_spec(path, index)  # a bad pipeline fails before anything starts
     with Store.open(config) as store, _ray(config):
         ensure_run(store, config)
         trainer = _actor(TrainerWorker).remote(config, resume=resume,
                                                evaluate=partial(held_out_accuracy, config))
         explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
                      for index in range(config.explorer.workers)]
+        streams = [_actor(PipelineWorker, EXPLORER_RESTARTS).remote(config, path,
+                                                                    [config.run.name])
+                   for path in config.pipelines]
+        workers = [trainer, *explorers, *streams]
         done, explored = trainer.run.remote(), [w.run.remote() for w in explorers]
+        streamed = [w.run.remote() for w in streams]
         _supervise(Monitor(store.engine, config.run.name, config.trainer.steps), console,
                    finished=lambda wait: bool(ray.wait([done], timeout=wait)[0]),
-                   stop=lambda: [w.request_stop.remote() for w in [trainer, *explorers]])
+                   stop=lambda: [w.request_stop.remote() for w in workers])
         summary = _unwrap(lambda: ray.get(done))
-        for worker in explorers:
+        for worker in workers[1:]:
             worker.request_stop.remote()
-        _report_explorers(explored, console)
+        _report(explored + streamed, console)
     return summary
 
 
-def _report_explorers(explored: list, console: Console) -> None:
-    """One line per explorer; one that failed for good is reported, not raised (the run is
-    the trainer's: it finished)."""
+def _report(refs: list, console: Console) -> None:
+    """One line per explorer or pipeline worker; one that failed for good is reported, not
+    raised (the run is the trainer's: it finished)."""
     import ray
 
-    for index, ref in enumerate(explored):
+    for ref in refs:
         try:
             stats = ray.get(ref, timeout=120)
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            console.print(f"[yellow]explorer-{index} ended with an error:[/] "
-                          f"{str(exc).splitlines()[0]}")
+            console.print(f"[yellow]a worker ended with an error:[/] {str(exc).splitlines()[0]}")
             continue
-        console.print(f"{stats.worker}: {stats.groups} groups, "
-                      f"{stats.versions_loaded} policy versions loaded")
+        if isinstance(stats, ExplorerStats):
+            console.print(f"{stats.worker}: {stats.groups} groups, "
+                          f"{stats.versions_loaded} policy versions loaded")
+        else:
+            console.print(f"pipeline {stats.pipeline!r}: {stats.passes} passes, "
+                          f"{stats.rows_in} rows in, {stats.rows_out} passed")
 
 
 def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[ExplorerStats]:

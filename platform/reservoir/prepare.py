@@ -27,6 +27,7 @@ def absolute(config: ReservoirConfig) -> ReservoirConfig:
         "tasks": section("tasks", file=config.tasks.file),
         "trainer": section("trainer", checkpoint_dir=config.trainer.checkpoint_dir),
         "store": section("store", data_dir=config.store.data_dir),
+        "pipelines": tuple(Path(path).resolve() for path in config.pipelines),
     })
 
 

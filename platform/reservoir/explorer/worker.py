@@ -103,7 +103,8 @@ class ExplorerWorker:
                     [Task(task_id, prompt, answer or "") for task_id, prompt, answer in claimed],
                     n=explorer.n, rewards=[REWARDS.get(explorer.reward)],
                     policy_version=self.version, temperature=explorer.temperature,
-                    max_tokens=explorer.max_tokens)
+                    max_tokens=explorer.max_tokens,
+                    status="raw" if self.config.pipelines else "ready")
         with store.engine.begin() as conn:
             finish_claims(conn, self.token, [task_id for task_id, _, _ in claimed])
         stats.groups += len(claimed)

@@ -36,10 +36,12 @@ def group_of(run: str, task: Task, samples: Sequence[Sample], rewards: list[Rewa
 
 def single_turn(engine: Engine, store, run: str, tasks: Sequence[Task], *, n: int,
                 rewards: list[RewardFunction], policy_version: int, temperature: float = 1.0,
-                max_tokens: int = 32, seed: int | None = None) -> WriteResult:
-    """Sample n responses per task, score them, and write one group per task."""
+                max_tokens: int = 32, seed: int | None = None,
+                status: str = "ready") -> WriteResult:
+    """Sample n responses per task, score them, and write one group per task (`raw` when
+    pipelines decide what becomes ready)."""
     samples = engine.sample([task.prompt for task in tasks], n, temperature=temperature,
                             max_tokens=max_tokens, seed=seed)
     groups = [group_of(run, task, group, rewards, policy_version)
               for task, group in zip(tasks, samples)]
-    return store.write_groups(groups)
+    return store.write_groups(groups, status=status)

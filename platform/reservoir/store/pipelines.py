@@ -79,6 +79,14 @@ def select_rows(conn: Connection, table: str, *, run_ids: Sequence[int],
     return [dict(row) for row in conn.execute(stmt).mappings()]
 
 
+def has_rows(conn: Connection, run_ids: Sequence[int], statuses: Sequence[str]) -> bool:
+    """Whether any experience of these runs is in these statuses (a stream's cheap check)."""
+    stmt = select(experiences.c.id).where(experiences.c.status.in_(list(statuses))).limit(1)
+    if run_ids:
+        stmt = stmt.where(experiences.c.run_id.in_(list(run_ids)))
+    return conn.execute(stmt).first() is not None
+
+
 def lock_unchanged(conn: Connection, ids: list[int], statuses: dict[int, str]) -> set[int]:
     """Lock the rows still in the status they were read in; others changed meanwhile."""
     rows = conn.execute(select(experiences.c.id, experiences.c.status)

@@ -1,0 +1,76 @@
+"""A pipeline as a worker (`mode: stream`): new raw rows become ready, or quarantined, as they
+arrive. `reservoir run` starts one per pipeline its config names; `reservoir pipeline run` runs
+one until Ctrl-C.
+
+Each pass is an ordinary pipeline run (one transaction, a pipeline_runs row with trigger
+`stream`); passes with nothing to do are skipped without a row. Streams of the same run should
+not select the same rows: put the operators in one pipeline instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from reservoir.config import ReservoirConfig
+from reservoir.errors import ConfigError
+from reservoir.pipeline.runner import run_pipeline
+from reservoir.pipeline.spec import PipelineSpec, load_pipeline
+from reservoir.store import Store
+from reservoir.store.pipelines import has_rows
+from reservoir.store.runs import run_id_of, status_of
+
+POLL_S = 0.2
+DONE = ("finished", "stopped", "failed")
+
+
+@dataclass
+class StreamStats:
+    pipeline: str
+    passes: int = 0
+    rows_in: int = 0
+    rows_out: int = 0
+
+
+def stream_spec(path: Path, index: int | None = None) -> PipelineSpec:
+    spec = load_pipeline(path)
+    if spec.mode != "stream":
+        where = f"pipelines[{index}]: " if index is not None else ""
+        raise ConfigError(f"{where}{path}: mode is {spec.mode}; a pipeline that runs as a worker "
+                          "needs mode: stream")
+    return spec
+
+
+class PipelineWorker:
+    def __init__(self, config: ReservoirConfig, path: Path, runs: list[str] | None = None):
+        self.config, self.path = config, Path(path)
+        self.runs = runs
+        self._stop = threading.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> StreamStats:
+        """Pass after pass until asked to stop, or until its runs have ended and it is idle."""
+        spec = stream_spec(self.path)
+        stats = StreamStats(spec.name)
+        runs = self.runs or list(spec.source.runs)
+        with Store.open(self.config, quiet=True) as store:
+            with store.engine.connect() as conn:
+                run_ids = [run_id_of(conn, name) for name in runs]
+            while not self._stop.is_set():
+                with store.engine.connect() as conn:
+                    pending = has_rows(conn, run_ids, spec.source.status)
+                    ended = run_ids and all(status_of(conn, r) in DONE for r in run_ids)
+                if not pending:
+                    if ended:
+                        break
+                    self._stop.wait(POLL_S)
+                    continue
+                result = run_pipeline(store, spec, runs=runs, trigger="stream",
+                                      source_file=str(self.path))
+                stats.passes += 1
+                stats.rows_in += result.rows_in
+                stats.rows_out += result.rows_out
+        return stats
