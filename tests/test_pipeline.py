@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
-from reservoir.errors import ConfigError
+from reservoir.errors import ConfigError, ReservoirError
 from reservoir.pipeline.runner import PipelineFailed, run_pipeline
 from reservoir.pipeline.spec import load_pipeline, parse_pipeline
 from tests.factories import make_group
@@ -215,3 +215,29 @@ def test_held_rows_wait_for_a_verdict(store):
     assert rows(store, "SELECT status FROM experiences WHERE id = ANY(:ids) ORDER BY id",
                 ids=[first["experience_id"], second["experience_id"]]) == [
         ("ready",), ("quarantined",)]
+
+
+def test_rewritten_responses_are_re_encoded_with_the_runs_tokenizer(tmp_path, store):
+    from reservoir.models import build_tiny_model, load_model
+    from reservoir.store import codec
+
+    model = build_tiny_model(tmp_path / "tiny")
+    _, tokenizer = load_model(model)
+    store.create_run("t", group_size=4, model=str(model))
+    store.create_run("no-model", group_size=4)
+    store.write_groups([make_group("t", seed=1), make_group("no-model", seed=2)], status="raw")
+    rewrite = {"name": "rewrite", "source": {"runs": ["t"]}, "process": [
+        {"replace_content_mapper": {"pattern": "response", "repl": "answer"}}]}
+    run_pipeline(store, parse_pipeline(rewrite))
+    found = rows(store, "SELECT response_text, response_ids, logprobs, action_mask, status "
+                        "FROM experiences WHERE run_id = 1 ORDER BY id")
+    for text_, ids, logprobs, mask, status in found:
+        assert text_.startswith("answer 1.") and status == "ready" and logprobs is None
+        ids = codec.decode(ids, codec.TOKEN)
+        assert tokenizer.decode(ids) == text_
+        assert list(codec.decode(mask, codec.MASK)) == [1] * len(ids)
+    events = rows(store, "SELECT kind, operator FROM operator_events ORDER BY id")
+    assert events == [("changed", "replace_content_mapper")] * 4
+    with pytest.raises(ReservoirError, match="not here to re-encode it; nothing was changed"):
+        run_pipeline(store, parse_pipeline({**rewrite, "source": {"runs": ["no-model"]}}))
+    assert rows(store, "SELECT DISTINCT status FROM experiences WHERE run_id = 2") == [("raw",)]

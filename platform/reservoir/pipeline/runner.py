@@ -23,6 +23,7 @@ from reservoir.errors import ReservoirError
 from reservoir.operators.store_ops import using
 from reservoir.pipeline.bridge import Step, build_steps, dataset, run_step
 from reservoir.pipeline.spec import PipelineSpec
+from reservoir.pipeline.tokens import reencode
 from reservoir.pipeline.validate import Outcome, check_specs, validate
 from reservoir.store import Store
 from reservoir.store import pipelines as queries
@@ -108,6 +109,7 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
     with store.engine.begin() as conn:
         if not dry_run:
             result.skipped = _keep_unchanged(conn, changes, originals)
+            reencode(conn, changes, {i: row["run_id"] for i, row in originals.items()})
             queries.apply(conn, pipeline_run, changes)
         queries.finish_run(conn, pipeline_run, status="dry_run" if dry_run else "succeeded",
                            duration_s=time.monotonic() - started, rows_in=len(rows),

@@ -21,7 +21,7 @@
       status: ready                  # what rows that pass become
       priority_from: null            # a field (e.g. a scorer's) that sets the priority column
       dropped: quarantined           # quarantined | retired
-      mapped: update                 # update the row | augment: insert a child row
+      mapped: update                 # rewritten text updates the row (re-encoded)
     schedule: "*/10 * * * *"
     mode: once                       # once | stream
 
@@ -81,7 +81,7 @@ class Output(Part):
     status: Literal["ready", "raw", "held"] = "ready"
     priority_from: str | None = None
     dropped: Literal["quarantined", "retired"] = "quarantined"
-    mapped: Literal["update", "augment"] = "update"
+    mapped: Literal["update"] = "update"
 
 
 class PipelineSpec(Part):

@@ -12,12 +12,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sqlalchemy import (BigInteger, Connection, Float, Text, bindparam, func, insert, select,
-                        text, update)
+from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, bindparam, func, insert,
+                        select, text, update)
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from reservoir.store.ledger import finite
-from reservoir.store.schema import experiences, operator_events, pipeline_runs, reviews, tasks, validations
+from reservoir.store.schema import (experiences, operator_events, pipeline_runs, reviews, runs, tasks,
+                                    validations)
 
 # Columns a pipeline reads: token ids and logprobs stay in the store.
 EXPERIENCE_FIELDS = ("id", "run_id", "task_id", "group_id", "policy_version", "prompt_text",
@@ -120,18 +121,27 @@ UPDATE experiences e SET
     reward = coalesce(v.reward, e.reward),
     response_text = coalesce(v.response_text, e.response_text),
     reward_components = coalesce(v.reward_components::jsonb, e.reward_components),
-    metadata = coalesce(v.metadata::jsonb, e.metadata)
-FROM unnest(:ids, :status, :priority, :reward, :response_text, :reward_components, :metadata)
-    AS v (id, status, priority, reward, response_text, reward_components, metadata)
+    metadata = coalesce(v.metadata::jsonb, e.metadata),
+    response_ids = coalesce(v.response_ids, e.response_ids),
+    action_mask = CASE WHEN v.response_ids IS NULL THEN e.action_mask ELSE v.action_mask END,
+    logprobs = CASE WHEN v.response_ids IS NULL THEN e.logprobs END
+FROM unnest(:ids, :status, :priority, :reward, :response_text, :reward_components, :metadata,
+            :response_ids, :action_mask)
+    AS v (id, status, priority, reward, response_text, reward_components, metadata,
+          response_ids, action_mask)
 WHERE e.id = v.id
 """).bindparams(
     bindparam("ids", type_=ARRAY(BigInteger)), bindparam("status", type_=ARRAY(Text)),
     bindparam("priority", type_=ARRAY(Float)), bindparam("reward", type_=ARRAY(Float)),
     bindparam("response_text", type_=ARRAY(Text)),
-    bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)))
+    bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)),
+    bindparam("response_ids", type_=ARRAY(LargeBinary)),
+    bindparam("action_mask", type_=ARRAY(LargeBinary)))
 
 
 def _update_experiences(conn: Connection, changes: Changes) -> None:
+    """One statement for every changed row. A row whose response was re-encoded (new
+    response_ids) loses its logprobs: they belonged to the old tokens."""
     ids = sorted(set(changes.statuses) | set(changes.values))
     if not ids:
         return
@@ -139,11 +149,15 @@ def _update_experiences(conn: Connection, changes: Changes) -> None:
     as_json = lambda v: None if v is None else json.dumps(v)  # noqa: E731
     conn.execute(UPDATE_ROWS, {
         "ids": ids, "status": [changes.statuses.get(i) for i in ids],
-        "priority": [v.get("priority") for v in values],
-        "reward": [v.get("reward") for v in values],
-        "response_text": [v.get("response_text") for v in values],
+        **{name: [v.get(name) for v in values]
+           for name in ("priority", "reward", "response_text", "response_ids", "action_mask")},
         "reward_components": [as_json(v.get("reward_components")) for v in values],
         "metadata": [as_json(v.get("metadata")) for v in values]})
+
+
+def run_models(conn: Connection, run_ids: Sequence[int]) -> dict[int, str | None]:
+    """The model folder each run records (its tokenizer re-encodes rewritten responses)."""
+    return dict(conn.execute(select(runs.c.id, runs.c.model).where(runs.c.id.in_(list(run_ids)))).all())
 
 
 def history(conn: Connection, pipeline: str | None, limit: int) -> list[dict[str, Any]]:
