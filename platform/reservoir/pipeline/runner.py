@@ -129,39 +129,57 @@ def _to_dataset_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _process(rows: list[dict], steps: list[Step], progress) -> tuple[list[dict], _Trace]:
+    """Run the steps; returns the rows left (without Data-Juicer's columns) and the trace.
+    Between steps only the id and tracked columns are read back, not whole rows."""
     trace = _Trace()
-    current = rows
+    tracked = {row["id"]: {k: row[k] for k in TRACKED if k in row} for row in rows}
+    ids = [row["id"] for row in rows]
     data = dataset(rows) if rows else None
     for step in steps:
-        if not current:
-            trace.operators.append({"operator": step.name, "in": 0, "out": 0, "seconds": 0.0})
-            continue
         began = time.monotonic()
-        data, with_stats = run_step(step, data)
-        after = data.to_list()
-        _diff(step, current, after, with_stats, trace)
-        trace.operators.append({"operator": step.name, "in": len(current), "out": len(after),
+        if ids:
+            data, with_stats = run_step(step, data)
+            after = list(data["id"])
+            _record_drops(step, ids, after, with_stats, trace)
+            if step.kind not in ("filter", "deduplicator"):  # those keep or drop, never edit
+                _record_changes(step, data, after, tracked, trace)
+        else:
+            after = []
+        trace.operators.append({"operator": step.name, "in": len(ids), "out": len(after),
                                 "seconds": round(time.monotonic() - began, 3)})
-        progress(f"{step.name}: {len(current)} -> {len(after)} rows")
-        current = after
-    return [{k: v for k, v in row.items() if not k.startswith("__dj__")} for row in current], trace
+        progress(f"{step.name}: {len(ids)} -> {len(after)} rows")
+        ids = after
+    final = data.to_list() if ids else []
+    return [{k: v for k, v in row.items() if not k.startswith("__dj__")} for row in final], trace
 
 
-def _diff(step: Step, before: list[dict], after: list[dict], with_stats, trace: _Trace) -> None:
-    kept = {row["id"]: row for row in after}
-    stats = ({row["id"]: row.get("__dj__stats__") or {} for row in with_stats.to_list()}
-             if with_stats is not None else {})
-    for row in before:
-        if row["id"] not in kept:
-            row_stats = _plain(stats.get(row["id"], {}))
-            trace.dropped[row["id"]] = event = {
-                "experience_id": row["id"], "operator": step.name, "kind": "dropped",
-                "reason": row_stats.get("reason") or _reason(step, row_stats), "stats": row_stats}
-            trace.events.append(event)
+def _record_drops(step: Step, before: list[int], after: list[int], with_stats,
+                  trace: _Trace) -> None:
+    kept = set(after)
+    dropped = [(position, row_id) for position, row_id in enumerate(before) if row_id not in kept]
+    if not dropped:
+        return
+    stats = ([s or {} for s in with_stats.select([p for p, _ in dropped])["__dj__stats__"]]
+             if with_stats is not None else [{}] * len(dropped))
+    for (_, row_id), row_stats in zip(dropped, stats):
+        row_stats = _plain(dict(row_stats))
+        trace.dropped[row_id] = event = {
+            "experience_id": row_id, "operator": step.name, "kind": "dropped",
+            "reason": row_stats.get("reason") or _reason(step, row_stats), "stats": row_stats}
+        trace.events.append(event)
+
+
+def _record_changes(step: Step, data, after: list[int], tracked: dict, trace: _Trace) -> None:
+    columns = {name: list(data[name]) for name in TRACKED if name in data.column_names}
+    for position, row_id in enumerate(after):
+        current = tracked.get(row_id)
+        if current is None:
             continue
-        changed = [name for name in TRACKED if name in row and _differs(row[name], kept[row["id"]].get(name))]
+        new = {name: values[position] for name, values in columns.items()}
+        changed = [name for name in columns if _differs(current.get(name), new[name])]
         if changed:
-            trace.events.append(_change_event(step, row, kept[row["id"]], changed))
+            trace.events.append(_change_event(step, row_id, current, new, changed))
+            current.update(new)
 
 
 def _reason(step: Step, stats: dict) -> str:
@@ -171,14 +189,13 @@ def _reason(step: Step, stats: dict) -> str:
     return f"{step.name}: outside its limits ({shown})" if shown else f"{step.name} removed it"
 
 
-def _change_event(step: Step, before: dict, after: dict, changed: list[str]) -> dict:
-    scored = changed == ["priority"]
+def _change_event(step: Step, row_id: int, before: dict, after: dict, changed: list[str]) -> dict:
     stats = {"fields": changed}
     for name in ("reward", "priority"):
         if name in changed:
             stats[name] = {"before": before[name], "after": after[name]}
-    return {"experience_id": before["id"], "operator": step.name,
-            "kind": "scored" if scored else "changed",
+    return {"experience_id": row_id, "operator": step.name,
+            "kind": "scored" if changed == ["priority"] else "changed",
             "reason": f"{step.name} set {', '.join(changed)}", "stats": _plain(stats)}
 
 
