@@ -241,3 +241,23 @@ def test_rewritten_responses_are_re_encoded_with_the_runs_tokenizer(tmp_path, st
     with pytest.raises(ReservoirError, match="not here to re-encode it; nothing was changed"):
         run_pipeline(store, parse_pipeline({**rewrite, "source": {"runs": ["no-model"]}}))
     assert rows(store, "SELECT DISTINCT status FROM experiences WHERE run_id = 2") == [("raw",)]
+
+
+def test_custom_sql_and_compound_unique_expectations_and_scored_priorities(store):
+    mixed_rows(store)
+    spec = parse_pipeline({**CLEAN, "process": [{"advantage_priority_mapper": {}}], "validate": {
+        "expectations": [
+            {"expect_compound_columns_to_be_unique": {"column_list": ["group_id",
+                                                                      "response_text"]}},
+            {"unexpected_rows_expectation": {
+                "unexpected_rows_query": "SELECT * FROM {batch} WHERE response_text = ''"}}],
+        "on_failure": "quarantine"}})
+    run_pipeline(store, spec)
+    found = rows(store, "SELECT expectation, success, unexpected_count FROM validations "
+                        "ORDER BY id")
+    assert found == [("expect_compound_columns_to_be_unique", True, 0),
+                     ("unexpected_rows_expectation", False, 1)]
+    assert rows(store, "SELECT id FROM experiences WHERE status = 'quarantined'") == [(10,)]
+    scored = rows(store, "SELECT count(*) FROM operator_events WHERE kind = 'scored'")
+    assert scored[0][0] > 0
+    assert rows(store, "SELECT count(*) FROM experiences WHERE priority > 0") == scored

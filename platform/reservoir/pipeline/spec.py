@@ -2,7 +2,7 @@
 
     name: clean                      # default: the file's name
     source:
-      table: experiences             # experiences | tasks
+      table: experiences             # the rows a pipeline reads and decides about
       runs: [reverse-grpo]           # `--run` on the command line overrides
       status: [raw]
       where: "reward >= :floor"      # SQL by the data engineer; runs read-only, values bound
@@ -44,7 +44,6 @@ from reservoir.errors import ConfigError
 SOURCE_COLUMNS = {
     "experiences": ("id", "created_at", "reward", "priority", "policy_version", "group_id",
                     "task_id", "response_len", "times_sampled"),
-    "tasks": ("id", "created_at", "priority", "difficulty", "times_explored"),
 }
 
 
@@ -53,7 +52,7 @@ class Part(BaseModel):
 
 
 class Source(Part):
-    table: Literal["experiences", "tasks"] = "experiences"
+    table: Literal["experiences"] = "experiences"
     runs: tuple[str, ...] = ()
     status: tuple[str, ...] = ("raw",)
     where: str | None = None

@@ -24,8 +24,6 @@ from reservoir.store.schema import (experiences, operator_events, pipeline_runs,
 EXPERIENCE_FIELDS = ("id", "run_id", "task_id", "group_id", "policy_version", "prompt_text",
                      "response_text", "reward", "reward_components", "metadata", "status",
                      "priority", "times_sampled", "response_len", "created_at")
-TASK_FIELDS = ("id", "run_id", "prompt", "answer", "payload", "source", "split", "difficulty",
-               "priority", "times_explored", "created_at")
 
 
 @dataclass
@@ -64,12 +62,11 @@ def select_rows(conn: Connection, table: str, *, run_ids: Sequence[int],
                 order_by: Sequence[str], limit: int | None) -> list[dict[str, Any]]:
     """The source rows, read in a read-only transaction: the engineer's `where` is SQL text,
     and every value it uses is a bound parameter."""
-    source = experiences if table == "experiences" else tasks
-    fields = EXPERIENCE_FIELDS if table == "experiences" else TASK_FIELDS
+    source, fields = experiences, EXPERIENCE_FIELDS
     stmt = select(*[source.c[name] for name in fields])
     if run_ids:
         stmt = stmt.where(source.c.run_id.in_(list(run_ids)))
-    if table == "experiences" and statuses:
+    if statuses:
         stmt = stmt.where(source.c.status.in_(list(statuses)))
     if where:
         stmt = stmt.where(text(f"({where})").bindparams(**params))
