@@ -141,3 +141,28 @@ def test_inspect_an_unknown_run_fails_clearly(cli):
     result = cli.raw("inspect", "run", "nosuch")
     assert result.returncode == 1
     assert "run 'nosuch' does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_pipeline_commands(cli, tmp_path):
+    cli("demo", "store", "--groups", "50", "--raw-groups", "20", "--steps", "1")
+    pipeline = tmp_path / "gate.yaml"
+    pipeline.write_text("source: {runs: [quickstart]}\nprocess:\n  - group_variance_filter: {}\n")
+    assert "is valid: 1 operators (group_variance_filter)" in cli("pipeline", "check",
+                                                                  str(pipeline))
+    assert "would change (dry run, nothing was written)" in cli("pipeline", "run", str(pipeline),
+                                                                "--dry-run")
+    assert scalar(cli.url, "SELECT count(*) FROM experiences WHERE status = 'raw'") == 160
+    cli("pipeline", "run", str(pipeline))
+    assert scalar(cli.url, "SELECT count(*) FROM experiences WHERE status = 'raw'") == 0
+    history = cli("pipeline", "history", "gate")
+    assert "succeeded" in history and "dry_run" in history
+    assert "reward_range_filter" in cli("pipeline", "ops", "reward")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("process:\n  - text_lenght_filter: {}\n")
+    failed = reservoir("pipeline", "check", str(typo), url=cli.url, cwd=tmp_path)
+    assert failed.returncode == 1
+    assert "typo.yaml: process[0] (text_lenght_filter): unknown operator; did you mean " \
+           "'text_length_filter'" in " ".join(failed.stderr.split())
+    cli("schedule", "add", str(pipeline), "--cron", "*/5 * * * *")
+    assert "*/5 * * * *" in cli("schedule", "list")
+    cli("schedule", "remove", "gate")

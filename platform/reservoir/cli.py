@@ -303,13 +303,16 @@ def tasks_generate(kind: str = typer.Argument(..., help="addition, reverse or so
 def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if it exists)."),
                groups: int = typer.Option(2000, min=1), group_size: int = typer.Option(8, min=1),
                steps: int = typer.Option(5, min=1), groups_per_step: int = typer.Option(32, min=1),
+               raw_groups: int = typer.Option(0, min=0, help="Also write this many raw groups "
+                                                             "(for pipelines)."),
                seed: int = 0, config: Optional[Path] = ConfigOption) -> None:
     """Store quickstart: write synthetic groups, train a few steps, show what to query."""
     from reservoir.demo import run_demo
 
     with _open(config) as store:
         run_demo(store, run=run, n_groups=groups, group_size=group_size, steps=steps,
-                 groups_per_step=groups_per_step, seed=seed, console=console)
+                 groups_per_step=groups_per_step, seed=seed, console=console,
+                 raw_groups=raw_groups)
         console.print("\nTry: [bold]reservoir sql \"SELECT run, ready, consumed, last_step FROM "
                       "analytics.runs\"[/]")
         print_result(run_sql(store.engine,
@@ -330,13 +333,9 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
 @pipeline_app.command("check")
 def pipeline_check(file: Path = typer.Argument(..., help="Pipeline YAML.")) -> None:
     """Validate the YAML, every operator and its arguments, and the expectations; run nothing."""
-    from reservoir.pipeline.bridge import build_steps
-    from reservoir.pipeline.spec import load_pipeline
-    from reservoir.pipeline.validate import check_specs
+    from reservoir.pipeline.check import check_file
 
-    spec = load_pipeline(file)
-    steps = build_steps(spec.operators, spec.text_key)
-    check_specs(spec.validate_.expectations)
+    spec, steps = check_file(file)
     console.print(f"{file}: pipeline {spec.name!r} is valid: {len(steps)} operators "
                   f"({', '.join(step.name for step in steps) or 'none'}), "
                   f"{len(spec.validate_.expectations)} expectations")
@@ -349,11 +348,11 @@ def pipeline_run(file: Path = typer.Argument(..., help="Pipeline YAML."),
                  dry_run: bool = typer.Option(False, help="Show what would change; change nothing."),
                  config: Optional[Path] = ConfigOption) -> None:
     """Run a pipeline once: select, operators, validation, one transaction of changes."""
+    from reservoir.pipeline.check import check_file
     from reservoir.pipeline.report import show_result
     from reservoir.pipeline.runner import run_pipeline
-    from reservoir.pipeline.spec import load_pipeline
 
-    spec = load_pipeline(file)
+    spec, _ = check_file(file)
     if spec.mode == "stream" and not dry_run:
         _stream(file, run, config)
         return
@@ -400,7 +399,9 @@ def pipeline_history(pipeline: Optional[str] = typer.Argument(None, help="Pipeli
 
 @schedule_app.command("add")
 def schedule_add(file: Path = typer.Argument(..., help="Pipeline YAML (mode: once)."),
-                 cron: str = typer.Option(..., "--cron", help="Cron expression, e.g. '*/10 * * * *'."),
+                 cron: Optional[str] = typer.Option(
+                     None, "--cron", help="Cron expression, e.g. '*/10 * * * *' (default: the "
+                                          "file's schedule key)."),
                  name: Optional[str] = typer.Option(None, help="Default: the pipeline's name."),
                  config: Optional[Path] = ConfigOption) -> None:
     """Schedule a pipeline (checked first); `schedule serve` runs it when due."""

@@ -40,7 +40,7 @@ def synthetic_group(rng: np.random.Generator, run: str, task_id: int, a: int, b:
 
 
 def run_demo(store: Store, *, run: str, n_groups: int, group_size: int, steps: int,
-             groups_per_step: int, seed: int, console: Console) -> None:
+             groups_per_step: int, seed: int, console: Console, raw_groups: int = 0) -> None:
     rng = np.random.default_rng(seed)
     with store.engine.begin() as conn:
         conn.execute(delete(runs).where(runs.c.name == run))
@@ -68,5 +68,11 @@ def run_demo(store: Store, *, run: str, n_groups: int, group_size: int, steps: i
                               metrics={"reward_mean": float(np.mean(rewards))})
             store.publish_version(run, step, location=f"synthetic://v{step}", train_step=step)
             progress.advance(training)
+        if raw_groups:  # new rows no pipeline has looked at yet
+            store.write_groups([synthetic_group(rng, run, task_ids[i % n_groups],
+                                                int(pairs[i % n_groups][0]),
+                                                int(pairs[i % n_groups][1]), group_size, steps)
+                                for i in range(raw_groups)], status="raw")
     console.print(f"[bold green]run {run!r}:[/] {n_groups} groups of {group_size} written, "
-                  f"{steps} steps of {groups_per_step} groups trained and published.")
+                  f"{steps} steps of {groups_per_step} groups trained and published"
+                  + (f", {raw_groups} raw groups waiting for a pipeline." if raw_groups else "."))

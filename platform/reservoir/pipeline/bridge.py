@@ -42,6 +42,7 @@ def registry() -> dict[str, type]:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     logger.remove()
+    logger.disable("data_juicer")
     import datasets
     from data_juicer.ops import OPERATORS
 

@@ -20,7 +20,6 @@ from typing import Any, Callable
 import pandas as pd
 
 from reservoir.errors import ReservoirError
-from reservoir.operators.store_ops import using
 from reservoir.pipeline.bridge import Step, build_steps, dataset, run_step
 from reservoir.pipeline.spec import PipelineSpec
 from reservoir.pipeline.tokens import reencode
@@ -100,6 +99,8 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
                                    order_by=source.order_by, limit=source.limit)
     progress(f"{len(rows)} rows selected")
     originals = {row["id"]: _to_dataset_row(row) for row in rows}
+    from reservoir.operators.store_ops import using  # after build_steps: Data-Juicer imported quietly
+
     with using(store.engine):  # operators that read the store read this one
         final, trace = _process(list(originals.values()), steps, progress)
     outcomes = validate(pd.DataFrame(final), spec.validate_.expectations) if final else []

@@ -17,7 +17,7 @@ from croniter import croniter
 from rich.console import Console
 
 from reservoir.errors import ConfigError, ReservoirError
-from reservoir.pipeline.bridge import build_steps
+from reservoir.pipeline.check import check_file
 from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import load_pipeline
 from reservoir.store import Store
@@ -38,16 +38,20 @@ def missed_times(cron: str, due: datetime, now: datetime) -> int:
     return count
 
 
-def add_schedule(store: Store, file: Path, cron: str, name: str | None = None) -> int:
-    """Check the pipeline and the cron expression, then schedule it (first run: next due time)."""
+def add_schedule(store: Store, file: Path, cron: str | None = None,
+                 name: str | None = None) -> int:
+    """Check the pipeline and the cron expression (given, else the file's `schedule`), then
+    schedule it; its first run is the next due time."""
+    spec, _ = check_file(file)
+    cron = cron or spec.schedule
+    if cron is None:
+        raise ConfigError(f"{file}: no schedule: give --cron or a `schedule:` key in the file")
     if not croniter.is_valid(cron):
         raise ConfigError(f"--cron {cron!r}: not a cron expression (five fields, e.g. "
                           "'*/10 * * * *' for every ten minutes)")
-    spec = load_pipeline(file)
     if spec.mode == "stream":
         raise ConfigError(f"{file}: mode is stream, which runs continuously; schedule a "
                           "pipeline with mode: once")
-    build_steps(spec.operators, spec.text_key)
     with store.engine.begin() as conn:
         return queries.add(conn, name=name or spec.name, pipeline_file=str(Path(file).resolve()),
                            cron=cron, next_run_at=next_time(cron, datetime.now(timezone.utc)))
