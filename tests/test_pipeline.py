@@ -261,3 +261,33 @@ def test_custom_sql_and_compound_unique_expectations_and_scored_priorities(store
     scored = rows(store, "SELECT count(*) FROM operator_events WHERE kind = 'scored'")
     assert scored[0][0] > 0
     assert rows(store, "SELECT count(*) FROM experiences WHERE priority > 0") == scored
+
+
+def test_augment_keeps_the_row_and_inserts_a_child_with_a_parent_link(tmp_path, store):
+    from reservoir.models import build_tiny_model, load_model
+    from reservoir.store import codec
+
+    model = build_tiny_model(tmp_path / "tiny")
+    _, tokenizer = load_model(model)
+    store.create_run("a", group_size=4, model=str(model))
+    store.write_groups([make_group("a", seed=1)], status="raw")
+    spec = parse_pipeline({"name": "augment", "source": {"runs": ["a"]},
+                           "output": {"mapped": "augment"}, "process": [
+        {"replace_content_mapper": {"pattern": "response", "repl": "answer"}}]})
+    run_pipeline(store, spec)
+    parents = rows(store, "SELECT id, response_text, status, group_id FROM experiences "
+                          "WHERE parent_id IS NULL ORDER BY id")
+    children = rows(store, "SELECT id, parent_id, response_text, response_ids, logprobs, "
+                           "status, group_id, metadata FROM experiences "
+                           "WHERE parent_id IS NOT NULL ORDER BY parent_id")
+    assert [p.response_text[:9] for p in parents] == ["response "] * 4  # untouched
+    assert [p.status for p in parents] == ["ready"] * 4
+    assert [c.parent_id for c in children] == [p.id for p in parents]
+    assert len({c.group_id for c in children}) == 1 and children[0].group_id != parents[0].group_id
+    for child in children:
+        assert child.response_text.startswith("answer ") and child.status == "ready"
+        assert tokenizer.decode(codec.decode(child.response_ids, codec.TOKEN)) == child.response_text
+        assert child.logprobs is None and child.metadata["augmented_from"] == child.parent_id
+    assert rows(store, "SELECT kind, count(*) FROM operator_events GROUP BY 1 ORDER BY 1") == [
+        ("added", 4), ("changed", 4)]
+    assert rows(store, "SELECT rows_inserted FROM runs") == [(8,)]  # flow control counts them

@@ -29,6 +29,7 @@ from reservoir.store import pipelines as queries
 from reservoir.store.runs import run_id_of
 
 TRACKED = ("response_text", "prompt_text", "reward", "reward_components", "metadata", "priority")
+CONTENT = ("response_text", "reward", "reward_components", "metadata")  # what augment copies
 JSON_FIELDS = ("reward_components", "metadata")  # JSON text in the dataset, dicts in the store
 TASK_DIFFICULTY = "task_difficulty"  # an output field that sets the row's task's difficulty
 REVIEW_REASON = "review_reason"  # an output field that holds the row for human review
@@ -110,7 +111,7 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
     with store.engine.begin() as conn:
         if not dry_run:
             result.skipped = _keep_unchanged(conn, changes, originals)
-            reencode(conn, changes, {i: row["run_id"] for i, row in originals.items()})
+            reencode(conn, changes, originals)
             queries.apply(conn, pipeline_run, changes)
         queries.finish_run(conn, pipeline_run, status="dry_run" if dry_run else "succeeded",
                            duration_s=time.monotonic() - started, rows_in=len(rows),
@@ -211,24 +212,63 @@ def _decide(spec, originals, final, trace, outcomes, pipeline_run) -> queries.Ch
     failing = _validation_failures(spec, outcomes, changes)
     for row_id, event in trace.dropped.items():
         changes.statuses[row_id] = spec.output.dropped
+    seen: set[int] = set()
     for row in final:
         row_id = row["id"]
-        status = "quarantined" if row_id in failing else spec.output.status
-        if row.get(REVIEW_REASON) and row_id not in failing:
-            status, changes.held[row_id] = "held", str(row[REVIEW_REASON])
-            changes.events.append({"experience_id": row_id, "operator": "output", "kind": "held",
-                                   "reason": str(row[REVIEW_REASON]), "stats": {}})
+        if row_id in seen and spec.output.mapped == "update":
+            raise PipelineFailed(f"an operator returned experience {row_id} twice (it adds rows):"
+                                 " use output.mapped: augment to keep them as child rows")
+        values = _changed_values(spec, originals[row_id], row)
+        if spec.output.mapped == "augment" and values.keys() & CONTENT:
+            changes.children.append(_child(row, values, spec, pipeline_run, failing))
+            values = {k: v for k, v in values.items() if k not in CONTENT}
+        if row_id in seen:
+            continue
+        seen.add(row_id)
+        status = _status(spec, row, failing, changes)
         if status != originals[row_id]["status"]:
             changes.statuses[row_id] = status
-        values = {name: _stored(name, row[name]) for name in TRACKED
-                  if name in row and _differs(originals[row_id][name], row[name])}
-        if spec.output.priority_from and row.get(spec.output.priority_from) is not None:
-            values["priority"] = float(row[spec.output.priority_from])
         if values:
             changes.values[row_id] = values
         if row.get(TASK_DIFFICULTY) is not None and row.get("task_id") is not None:
             changes.task_values[row["task_id"]] = {"difficulty": float(row[TASK_DIFFICULTY])}
     return changes
+
+
+def _changed_values(spec, original: dict, row: dict) -> dict[str, Any]:
+    values = {name: _stored(name, row[name]) for name in TRACKED
+              if name in row and _differs(original[name], row[name])}
+    if "prompt_text" in values:
+        raise PipelineFailed(f"experience {row['id']}: an operator changed prompt_text; prompts "
+                             "are not rewritten by pipelines (their token ids are the explorer's)")
+    if spec.output.priority_from and row.get(spec.output.priority_from) is not None:
+        values["priority"] = float(row[spec.output.priority_from])
+    return values
+
+
+def _status(spec, row: dict, failing: set[int], changes: queries.Changes) -> str:
+    """What a row that came through becomes: quarantined, held for review, or output.status."""
+    row_id = row["id"]
+    if row_id in failing:
+        return "quarantined"
+    if row.get(REVIEW_REASON):
+        changes.held[row_id] = str(row[REVIEW_REASON])
+        changes.events.append({"experience_id": row_id, "operator": "output", "kind": "held",
+                               "reason": str(row[REVIEW_REASON]), "stats": {}})
+        return "held"
+    return spec.output.status
+
+
+def _child(row: dict, values: dict, spec, pipeline_run: int, failing: set[int]) -> dict:
+    """An augmented copy of row: its rewritten content, a parent link, and a group of its own
+    (shared with the other children of the parent's group in this pipeline run)."""
+    group = uuid.uuid5(uuid.NAMESPACE_URL, f"reservoir:{row['group_id']}:{pipeline_run}")
+    metadata = dict(values.get("metadata") or json.loads(row["metadata"] or "{}"))
+    metadata["augmented_from"] = row["id"]
+    return {"parent": row["id"], "group_id": group, "metadata": metadata,
+            "status": "quarantined" if row["id"] in failing else spec.output.status,
+            **{name: _stored(name, row[name]) for name in CONTENT if name != "metadata"},
+            "priority": values.get("priority", row.get("priority") or 0.0)}
 
 
 def _validation_failures(spec, outcomes: list[Outcome], changes: queries.Changes) -> set[int]:
@@ -264,13 +304,15 @@ def _validation_failures(spec, outcomes: list[Outcome], changes: queries.Changes
 
 def _keep_unchanged(conn, changes: queries.Changes, originals: dict) -> int:
     """Drop decisions about rows another writer changed since they were read; how many."""
-    ids = sorted(set(changes.statuses) | set(changes.values) | set(changes.held))
+    ids = sorted(set(changes.statuses) | set(changes.values) | set(changes.held)
+                 | {child["parent"] for child in changes.children})
     fresh = queries.lock_unchanged(conn, ids, {i: originals[i]["status"] for i in ids})
     stale = set(ids) - fresh
     for mapping in (changes.statuses, changes.values, changes.held):
         for row_id in stale:
             mapping.pop(row_id, None)
     changes.events = [e for e in changes.events if e.get("experience_id") not in stale]
+    changes.children = [c for c in changes.children if c["parent"] not in stale]
     return len(stale)
 
 

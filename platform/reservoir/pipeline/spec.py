@@ -21,7 +21,8 @@
       status: ready                  # what rows that pass become
       priority_from: null            # a field (e.g. a scorer's) that sets the priority column
       dropped: quarantined           # quarantined | retired
-      mapped: update                 # rewritten text updates the row (re-encoded)
+      mapped: update                 # rewritten rows are updated | augment: a child row
+                                     # (parent link, a group of its own) holds the rewrite
     schedule: "*/10 * * * *"
     mode: once                       # once | stream
 
@@ -80,7 +81,7 @@ class Output(Part):
     status: Literal["ready", "raw", "held"] = "ready"
     priority_from: str | None = None
     dropped: Literal["quarantined", "retired"] = "quarantined"
-    mapped: Literal["update"] = "update"
+    mapped: Literal["update", "augment"] = "update"
 
 
 class PipelineSpec(Part):

@@ -18,16 +18,19 @@ from reservoir.store import codec
 from reservoir.store.pipelines import Changes, run_models
 
 
-def reencode(conn: Connection, changes: Changes, run_of: dict[int, int]) -> int:
-    """Add response_ids and action_mask to every row whose response_text changed; how many."""
-    rewritten = {row_id: values for row_id, values in changes.values.items()
-                 if "response_text" in values}
+def reencode(conn: Connection, changes: Changes, originals: dict[int, dict]) -> int:
+    """Give every row (or augmented child) whose response_text changed new response_ids and
+    an action mask over them all; returns how many."""
+    rewritten = [(row_id, values) for row_id, values in changes.values.items()
+                 if "response_text" in values]
+    rewritten += [(child["parent"], child) for child in changes.children
+                  if child["response_text"] != originals[child["parent"]]["response_text"]]
     if not rewritten:
         return 0
-    models = run_models(conn, {run_of[row_id] for row_id in rewritten})
+    models = run_models(conn, {originals[row_id]["run_id"] for row_id, _ in rewritten})
     tokenizers = {run_id: _tokenizer(run_id, path) for run_id, path in models.items()}
-    for row_id, values in rewritten.items():
-        tokenizer = tokenizers[run_of[row_id]]
+    for row_id, values in rewritten:
+        tokenizer = tokenizers[originals[row_id]["run_id"]]
         ids = np.asarray(tokenizer(values["response_text"], add_special_tokens=False)["input_ids"])
         values["response_ids"] = codec.encode(ids, codec.TOKEN)
         values["action_mask"] = codec.encode(np.ones(len(ids)), codec.MASK)

@@ -14,9 +14,10 @@ from typing import Any, Sequence
 
 from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, bindparam, func, insert,
                         select, text, update)
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
 
 from reservoir.store.ledger import finite
+from reservoir.store.runs import add_inserted
 from reservoir.store.schema import (experiences, operator_events, pipeline_runs, reviews, runs, tasks,
                                     validations)
 
@@ -36,6 +37,7 @@ class Changes:
     validations: list[dict[str, Any]] = field(default_factory=list)
     task_values: dict[int, dict[str, Any]] = field(default_factory=dict)
     held: dict[int, str] = field(default_factory=dict)                # id -> review reason
+    children: list[dict[str, Any]] = field(default_factory=list)      # augmented copies
 
 
 def start_run(conn: Connection, *, pipeline: str, spec: dict, spec_hash: str,
@@ -95,6 +97,7 @@ def lock_unchanged(conn: Connection, ids: list[int], statuses: dict[int, str]) -
 def apply(conn: Connection, pipeline_run_id: int, changes: Changes) -> None:
     """Write a pipeline's decisions (the caller's transaction makes them one)."""
     _update_experiences(conn, changes)
+    _insert_children(conn, changes)
     if changes.task_values:
         for task_id, values in changes.task_values.items():
             conn.execute(update(tasks).where(tasks.c.id == task_id).values(**values))
@@ -150,6 +153,54 @@ def _update_experiences(conn: Connection, changes: Changes) -> None:
            for name in ("priority", "reward", "response_text", "response_ids", "action_mask")},
         "reward_components": [as_json(v.get("reward_components")) for v in values],
         "metadata": [as_json(v.get("metadata")) for v in values]})
+
+
+INSERT_CHILDREN = text("""
+INSERT INTO experiences (run_id, task_id, group_id, policy_version, prompt_text, response_text,
+    prompt_ids, response_ids, logprobs, action_mask, reward, reward_components, metadata,
+    status, priority, parent_id)
+SELECT p.run_id, p.task_id, v.group_id, p.policy_version, p.prompt_text, v.response_text,
+    p.prompt_ids, coalesce(v.response_ids, p.response_ids),
+    CASE WHEN v.response_ids IS NULL THEN p.logprobs END,
+    coalesce(v.action_mask, p.action_mask), v.reward, v.reward_components::jsonb,
+    v.metadata::jsonb, v.status, v.priority, p.id
+FROM unnest(:parents, :group_ids, :response_text, :response_ids, :action_mask, :reward,
+            :reward_components, :metadata, :status, :priority)
+    AS v (parent, group_id, response_text, response_ids, action_mask, reward,
+          reward_components, metadata, status, priority)
+JOIN experiences p ON p.id = v.parent
+RETURNING id, parent_id, run_id
+""").bindparams(
+    bindparam("parents", type_=ARRAY(BigInteger)), bindparam("group_ids", type_=ARRAY(UUID)),
+    bindparam("response_text", type_=ARRAY(Text)),
+    bindparam("response_ids", type_=ARRAY(LargeBinary)),
+    bindparam("action_mask", type_=ARRAY(LargeBinary)), bindparam("reward", type_=ARRAY(Float)),
+    bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)),
+    bindparam("status", type_=ARRAY(Text)), bindparam("priority", type_=ARRAY(Float)))
+
+
+def _insert_children(conn: Connection, changes: Changes) -> None:
+    """Augmented rows, copied from their parents in SQL (prompt ids, version, task), counted
+    as inserted for flow control, each with an `added` event."""
+    children = changes.children
+    if not children:
+        return
+    column = lambda name: [child.get(name) for child in children]  # noqa: E731
+    added = conn.execute(INSERT_CHILDREN, {
+        "parents": column("parent"), "group_ids": column("group_id"),
+        "response_text": column("response_text"), "response_ids": column("response_ids"),
+        "action_mask": column("action_mask"), "reward": column("reward"),
+        "reward_components": [json.dumps(v) for v in column("reward_components")],
+        "metadata": [json.dumps(v) for v in column("metadata")],
+        "status": column("status"), "priority": column("priority")}).all()
+    per_run: dict[int, int] = {}
+    for child_id, parent_id, run_id in added:
+        per_run[run_id] = per_run.get(run_id, 0) + 1
+        changes.events.append({"experience_id": child_id, "operator": "output", "kind": "added",
+                               "reason": f"augmented copy of experience {parent_id}",
+                               "stats": {"parent": parent_id}})
+    for run_id, count in per_run.items():
+        conn.execute(add_inserted(run_id, count))
 
 
 def run_models(conn: Connection, run_ids: Sequence[int]) -> dict[int, str | None]:
