@@ -12,9 +12,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from reservoir.config import ReservoirConfig, load_config
+from reservoir.cli_common import ConfigOption, _config, _open, console
+from reservoir.cli_pipelines import pipeline_app, review_app, schedule_app
+from reservoir.config import load_config
 from reservoir.errors import ReservoirError
-from reservoir.store import Store, migrate, server
+from reservoir.store import migrate, server
 from reservoir.store import engine as engines
 from reservoir.store.inspect import QueryResult, experience_detail, run_sql, run_summary
 
@@ -32,17 +34,11 @@ app.add_typer(inspect_app, name="inspect")
 app.add_typer(demo_app, name="demo")
 app.add_typer(model_app, name="model")
 app.add_typer(tasks_app, name="tasks")
-pipeline_app = typer.Typer(help="Data pipelines: operator YAML run against the store.",
-                           no_args_is_help=True)
 app.add_typer(pipeline_app, name="pipeline")
-schedule_app = typer.Typer(help="Cron-scheduled pipelines.", no_args_is_help=True)
 app.add_typer(schedule_app, name="schedule")
-review_app = typer.Typer(help="Rows held for human review.", no_args_is_help=True)
 app.add_typer(review_app, name="review")
 
-console = Console()
 errors = Console(stderr=True)
-ConfigOption = typer.Option(None, "--config", "-c", help="Config YAML (store, sampler, ...).")
 
 
 def main() -> None:
@@ -51,14 +47,6 @@ def main() -> None:
     except ReservoirError as exc:
         errors.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)
-
-
-def _config(path: Optional[Path]) -> ReservoirConfig:
-    return load_config(path)
-
-
-def _open(path: Optional[Path]) -> Store:
-    return Store.open(_config(path))
 
 
 def print_result(result: QueryResult, fmt: str = "table", title: str | None = None) -> None:
@@ -328,163 +316,3 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
                           "WHERE run = :run AND train_step IS NOT NULL", params={"run": run})
         console.print(f"[bold]reservoir inspect run {run}[/]   "
                       f"[bold]reservoir inspect experience {trained.rows[0][0]}[/]")
-
-
-@pipeline_app.command("check")
-def pipeline_check(file: Path = typer.Argument(..., help="Pipeline YAML.")) -> None:
-    """Validate the YAML, every operator and its arguments, and the expectations; run nothing."""
-    from reservoir.pipeline.check import check_file
-
-    spec, steps = check_file(file)
-    console.print(f"{file}: pipeline {spec.name!r} is valid: {len(steps)} operators "
-                  f"({', '.join(step.name for step in steps) or 'none'}), "
-                  f"{len(spec.validate_.expectations)} expectations")
-
-
-@pipeline_app.command("run")
-def pipeline_run(file: Path = typer.Argument(..., help="Pipeline YAML."),
-                 run: Optional[list[str]] = typer.Option(None, "--run",
-                                                         help="Run(s) whose rows to process."),
-                 dry_run: bool = typer.Option(False, help="Show what would change; change nothing."),
-                 config: Optional[Path] = ConfigOption) -> None:
-    """Run a pipeline once: select, operators, validation, one transaction of changes."""
-    from reservoir.pipeline.check import check_file
-    from reservoir.pipeline.report import show_result
-    from reservoir.pipeline.runner import run_pipeline
-
-    spec, _ = check_file(file)
-    if spec.mode == "stream" and not dry_run:
-        _stream(file, run, config)
-        return
-    with _open(config) as store, console.status("running pipeline") as status:
-        result = run_pipeline(store, spec, runs=run or None, dry_run=dry_run,
-                              source_file=str(file),
-                              progress=lambda message: status.update(message))
-    show_result(console, spec, result)
-
-
-def _stream(file: Path, runs: Optional[list[str]], config: Optional[Path]) -> None:
-    from reservoir.pipeline.stream import PipelineWorker
-
-    worker = PipelineWorker(_config(config), file, runs or None)
-    console.print(f"streaming {file}: raw rows are processed as they arrive (Ctrl-C stops)")
-    try:
-        stats = worker.run()
-    except KeyboardInterrupt:
-        return
-    console.print(f"pipeline {stats.pipeline!r}: {stats.passes} passes, {stats.rows_in} rows "
-                  f"in, {stats.rows_out} passed; its runs have ended")
-
-
-@pipeline_app.command("ops")
-def pipeline_ops(match: Optional[str] = typer.Argument(None, help="Only names containing this.")
-                 ) -> None:
-    """Operators a pipeline can use (Data-Juicer's and Reservoir's) with their arguments."""
-    from reservoir.pipeline.report import operators_table
-
-    console.print(operators_table(match))
-
-
-@pipeline_app.command("history")
-def pipeline_history(pipeline: Optional[str] = typer.Argument(None, help="Pipeline name."),
-                     limit: int = typer.Option(20, help="How many runs."),
-                     config: Optional[Path] = ConfigOption) -> None:
-    """Recent pipeline runs: status, rows in / out / dropped, duration, error."""
-    from reservoir.pipeline.report import history_table
-    from reservoir.store.pipelines import history
-
-    with _open(config) as store, store.engine.connect() as conn:
-        console.print(history_table(history(conn, pipeline, limit)))
-
-
-@schedule_app.command("add")
-def schedule_add(file: Path = typer.Argument(..., help="Pipeline YAML (mode: once)."),
-                 cron: Optional[str] = typer.Option(
-                     None, "--cron", help="Cron expression, e.g. '*/10 * * * *' (default: the "
-                                          "file's schedule key)."),
-                 name: Optional[str] = typer.Option(None, help="Default: the pipeline's name."),
-                 config: Optional[Path] = ConfigOption) -> None:
-    """Schedule a pipeline (checked first); `schedule serve` runs it when due."""
-    from reservoir.pipeline.schedule import add_schedule
-
-    with _open(config) as store:
-        schedule_id = add_schedule(store, file, cron, name)
-    console.print(f"schedule {schedule_id}: {file} at '{cron}'")
-
-
-@schedule_app.command("list")
-def schedule_list(config: Optional[Path] = ConfigOption) -> None:
-    """Schedules: pipeline file, cron, last and next run, missed runs."""
-    from reservoir.store.schedules import listed
-
-    table = Table(title="schedules")
-    for column in ("name", "pipeline", "cron", "enabled", "last run", "next run", "missed"):
-        table.add_column(column)
-    with _open(config) as store, store.engine.connect() as conn:
-        for row in listed(conn):
-            table.add_row(row["name"], row["pipeline_file"], row["cron"], str(row["enabled"]),
-                          str(row["last_run_at"] or "-"), str(row["next_run_at"]),
-                          str(row["missed_runs"]))
-    console.print(table)
-
-
-@schedule_app.command("remove")
-def schedule_remove(name: str, config: Optional[Path] = ConfigOption) -> None:
-    """Remove a schedule (its past pipeline runs stay)."""
-    from reservoir.store.schedules import remove
-
-    with _open(config) as store, store.engine.begin() as conn:
-        if not remove(conn, name):
-            raise ReservoirError(f"no schedule named {name!r} (see `reservoir schedule list`)")
-    console.print(f"schedule {name!r} removed")
-
-
-@schedule_app.command("serve")
-def schedule_serve(poll: float = typer.Option(10.0, help="Seconds between checks."),
-                   once: bool = typer.Option(False, help="Run what is due now, then exit."),
-                   config: Optional[Path] = ConfigOption) -> None:
-    """Run due pipelines (any number of schedulers may serve one store)."""
-    from reservoir.pipeline.schedule import serve
-
-    with _open(config) as store:
-        try:
-            serve(store, console, poll_s=poll, once=once)
-        except KeyboardInterrupt:
-            console.print("scheduler stopped")
-
-
-@review_app.command("list")
-def review_list(run: Optional[str] = typer.Option(None, help="Only this run's rows."),
-                limit: int = typer.Option(20, help="How many."),
-                config: Optional[Path] = ConfigOption) -> None:
-    """Pending reviews: the held row's prompt, response, reward and why it was held."""
-    from reservoir.store.reviews import pending
-
-    table = Table(title="pending reviews")
-    for column in ("review", "experience", "run", "prompt", "response", "reward", "reason"):
-        table.add_column(column)
-    with _open(config) as store, store.engine.connect() as conn:
-        for row in pending(conn, run, limit):
-            table.add_row(str(row["id"]), str(row["experience_id"]), row["run"],
-                          row["prompt_text"][:40], row["response_text"][:40],
-                          f"{row['reward']:.3g}", row["reason"] or "")
-    console.print(table)
-
-
-@review_app.command("label")
-def review_label(review_id: int,
-                 verdict: str = typer.Option(..., help="accept (row becomes ready) or reject "
-                                                        "(quarantined)."),
-                 reviewer: Optional[str] = typer.Option(None, help="Who decided."),
-                 label: Optional[str] = typer.Option(None, help="Extra labels as JSON."),
-                 config: Optional[Path] = ConfigOption) -> None:
-    """Label a held row; it leaves `held` in the same transaction."""
-    from reservoir.store.reviews import label as record
-
-    try:
-        values = json.loads(label) if label else {}
-    except json.JSONDecodeError as exc:
-        raise ReservoirError(f"--label: not JSON: {exc}") from None
-    with _open(config) as store, store.engine.begin() as conn:
-        status = record(conn, review_id, verdict=verdict, reviewer=reviewer, values=values)
-    console.print(f"review {review_id}: {verdict}; the row is now {status}")

@@ -1,0 +1,178 @@
+"""`reservoir pipeline`, `reservoir schedule` and `reservoir review`: data pipelines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from reservoir.cli_common import ConfigOption, _config, _open, console
+from reservoir.errors import ReservoirError
+
+pipeline_app = typer.Typer(help="Data pipelines: operator YAML run against the store.",
+                           no_args_is_help=True)
+schedule_app = typer.Typer(help="Cron-scheduled pipelines.", no_args_is_help=True)
+review_app = typer.Typer(help="Rows held for human review.", no_args_is_help=True)
+
+
+@pipeline_app.command("check")
+def pipeline_check(file: Path = typer.Argument(..., help="Pipeline YAML.")) -> None:
+    """Validate the YAML, every operator and its arguments, and the expectations; run nothing."""
+    from reservoir.pipeline.check import check_file
+
+    spec, steps = check_file(file)
+    console.print(f"{file}: pipeline {spec.name!r} is valid: {len(steps)} operators "
+                  f"({', '.join(step.name for step in steps) or 'none'}), "
+                  f"{len(spec.validate_.expectations)} expectations")
+
+
+@pipeline_app.command("run")
+def pipeline_run(file: Path = typer.Argument(..., help="Pipeline YAML."),
+                 run: Optional[list[str]] = typer.Option(None, "--run",
+                                                         help="Run(s) whose rows to process."),
+                 dry_run: bool = typer.Option(False, help="Show what would change; change nothing."),
+                 config: Optional[Path] = ConfigOption) -> None:
+    """Run a pipeline once: select, operators, validation, one transaction of changes."""
+    from reservoir.pipeline.check import check_file
+    from reservoir.pipeline.report import show_result
+    from reservoir.pipeline.runner import run_pipeline
+
+    spec, _ = check_file(file)
+    if spec.mode == "stream" and not dry_run:
+        _stream(file, run, config)
+        return
+    with _open(config) as store, console.status("running pipeline") as status:
+        result = run_pipeline(store, spec, runs=run or None, dry_run=dry_run,
+                              source_file=str(file),
+                              progress=lambda message: status.update(message))
+    show_result(console, spec, result)
+
+
+def _stream(file: Path, runs: Optional[list[str]], config: Optional[Path]) -> None:
+    from reservoir.pipeline.stream import PipelineWorker
+
+    worker = PipelineWorker(_config(config), file, runs or None)
+    console.print(f"streaming {file}: raw rows are processed as they arrive (Ctrl-C stops)")
+    try:
+        stats = worker.run()
+    except KeyboardInterrupt:
+        return
+    console.print(f"pipeline {stats.pipeline!r}: {stats.passes} passes, {stats.rows_in} rows "
+                  f"in, {stats.rows_out} passed; its runs have ended")
+
+
+@pipeline_app.command("ops")
+def pipeline_ops(match: Optional[str] = typer.Argument(None, help="Only names containing this.")
+                 ) -> None:
+    """Operators a pipeline can use (Data-Juicer's and Reservoir's) with their arguments."""
+    from reservoir.pipeline.report import operators_table
+
+    console.print(operators_table(match))
+
+
+@pipeline_app.command("history")
+def pipeline_history(pipeline: Optional[str] = typer.Argument(None, help="Pipeline name."),
+                     limit: int = typer.Option(20, help="How many runs."),
+                     config: Optional[Path] = ConfigOption) -> None:
+    """Recent pipeline runs: status, rows in / out / dropped, duration, error."""
+    from reservoir.pipeline.report import history_table
+    from reservoir.store.pipelines import history
+
+    with _open(config) as store, store.engine.connect() as conn:
+        console.print(history_table(history(conn, pipeline, limit)))
+
+
+@schedule_app.command("add")
+def schedule_add(file: Path = typer.Argument(..., help="Pipeline YAML (mode: once)."),
+                 cron: Optional[str] = typer.Option(
+                     None, "--cron", help="Cron expression, e.g. '*/10 * * * *' (default: the "
+                                          "file's schedule key)."),
+                 name: Optional[str] = typer.Option(None, help="Default: the pipeline's name."),
+                 config: Optional[Path] = ConfigOption) -> None:
+    """Schedule a pipeline (checked first); `schedule serve` runs it when due."""
+    from reservoir.pipeline.schedule import add_schedule
+
+    with _open(config) as store:
+        schedule_id = add_schedule(store, file, cron, name)
+    console.print(f"schedule {schedule_id}: {file} at '{cron}'")
+
+
+@schedule_app.command("list")
+def schedule_list(config: Optional[Path] = ConfigOption) -> None:
+    """Schedules: pipeline file, cron, last and next run, missed runs."""
+    from reservoir.store.schedules import listed
+
+    table = Table(title="schedules")
+    for column in ("name", "pipeline", "cron", "enabled", "last run", "next run", "missed"):
+        table.add_column(column)
+    with _open(config) as store, store.engine.connect() as conn:
+        for row in listed(conn):
+            table.add_row(row["name"], row["pipeline_file"], row["cron"], str(row["enabled"]),
+                          str(row["last_run_at"] or "-"), str(row["next_run_at"]),
+                          str(row["missed_runs"]))
+    console.print(table)
+
+
+@schedule_app.command("remove")
+def schedule_remove(name: str, config: Optional[Path] = ConfigOption) -> None:
+    """Remove a schedule (its past pipeline runs stay)."""
+    from reservoir.store.schedules import remove
+
+    with _open(config) as store, store.engine.begin() as conn:
+        if not remove(conn, name):
+            raise ReservoirError(f"no schedule named {name!r} (see `reservoir schedule list`)")
+    console.print(f"schedule {name!r} removed")
+
+
+@schedule_app.command("serve")
+def schedule_serve(poll: float = typer.Option(10.0, help="Seconds between checks."),
+                   once: bool = typer.Option(False, help="Run what is due now, then exit."),
+                   config: Optional[Path] = ConfigOption) -> None:
+    """Run due pipelines (any number of schedulers may serve one store)."""
+    from reservoir.pipeline.schedule import serve
+
+    with _open(config) as store:
+        try:
+            serve(store, console, poll_s=poll, once=once)
+        except KeyboardInterrupt:
+            console.print("scheduler stopped")
+
+
+@review_app.command("list")
+def review_list(run: Optional[str] = typer.Option(None, help="Only this run's rows."),
+                limit: int = typer.Option(20, help="How many."),
+                config: Optional[Path] = ConfigOption) -> None:
+    """Pending reviews: the held row's prompt, response, reward and why it was held."""
+    from reservoir.store.reviews import pending
+
+    table = Table(title="pending reviews")
+    for column in ("review", "experience", "run", "prompt", "response", "reward", "reason"):
+        table.add_column(column)
+    with _open(config) as store, store.engine.connect() as conn:
+        for row in pending(conn, run, limit):
+            table.add_row(str(row["id"]), str(row["experience_id"]), row["run"],
+                          row["prompt_text"][:40], row["response_text"][:40],
+                          f"{row['reward']:.3g}", row["reason"] or "")
+    console.print(table)
+
+
+@review_app.command("label")
+def review_label(review_id: int,
+                 verdict: str = typer.Option(..., help="accept (row becomes ready) or reject "
+                                                        "(quarantined)."),
+                 reviewer: Optional[str] = typer.Option(None, help="Who decided."),
+                 label: Optional[str] = typer.Option(None, help="Extra labels as JSON."),
+                 config: Optional[Path] = ConfigOption) -> None:
+    """Label a held row; it leaves `held` in the same transaction."""
+    from reservoir.store.reviews import label as record
+
+    try:
+        values = json.loads(label) if label else {}
+    except json.JSONDecodeError as exc:
+        raise ReservoirError(f"--label: not JSON: {exc}") from None
+    with _open(config) as store, store.engine.begin() as conn:
+        status = record(conn, review_id, verdict=verdict, reviewer=reviewer, values=values)
+    console.print(f"review {review_id}: {verdict}; the row is now {status}")
