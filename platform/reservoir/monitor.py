@@ -1,5 +1,6 @@
 """The live view of a run, read from the store alone, so it shows every worker on every machine:
-step, reward, held-out accuracy, staleness, rows ready and leased, rollouts/s, train tokens/s."""
+step, reward, held-out accuracy, staleness, rows raw (waiting for a pipeline), ready and leased,
+rollouts/s, train tokens/s."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ SELECT r.status, r.rows_inserted,
          ORDER BY step DESC LIMIT 1) AS metrics,
        (SELECT (metrics ->> 'eval/accuracy')::float8 FROM train_steps
          WHERE run_id = r.id AND metrics ? 'eval/accuracy' ORDER BY step DESC LIMIT 1) AS accuracy,
+       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'raw') AS raw,
        (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'ready') AS ready,
        (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'leased') AS leased
 FROM runs r WHERE r.name = :run
@@ -62,7 +64,7 @@ class Monitor:
             ("held-out accuracy", _fmt(snap["accuracy"])),
             ("staleness (mean / max)", f"{_fmt(metrics.get('staleness_mean'))} / "
                                        f"{_fmt(metrics.get('staleness_max'))}"),
-            ("rows ready / leased", f"{snap['ready']} / {snap['leased']}"),
+            ("rows raw / ready / leased", f"{snap['raw']} / {snap['ready']} / {snap['leased']}"),
             ("rollouts/s", _fmt(snap["rollouts_per_s"], 1)),
             ("train tokens/s", _fmt(metrics.get("train_tokens_per_s"), 0)),
         ):
