@@ -29,9 +29,10 @@ RESERVOIR = Path(sys.executable).with_name("reservoir")
 
 
 def start(*args: str, cwd: Path) -> subprocess.Popen:
+    """The command in a process group of its own, as a terminal runs a foreground job."""
     return subprocess.Popen([str(RESERVOIR), *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ,
-                                                                      "COLUMNS": "200"})
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "COLUMNS": "200"})
 
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> str:
@@ -154,3 +155,29 @@ def _kill_a_claim_holder(db_url: str):
     still = query(db_url, "SELECT count(*) FROM tasks WHERE claimed_by = :who AND id = ANY(:ids)",
                   who=victim, ids=list(held))[0][0]
     return (victim, held) if still == len(held) else None  # else it finished first: try again
+
+
+def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, db_url):
+    model = build_tiny_model(tmp_path / "tiny", seed=6)
+    config_path = write_config(tmp_path / "run.yaml", {
+        "run": {"name": "interrupted"}, "model": {"path": str(model)},
+        "tasks": {"generate": "reverse", "count": 200},
+        "explorer": {"n": 4, "batch_tasks": 2, "max_tokens": 6},
+        "trainer": {"steps": 40, "batch_groups": 2, "micro_batch": 8, "eval_interval": 100,
+                    "checkpoint_interval": 100, "checkpoint_dir": str(tmp_path / "ck")},
+        "store": {"url": db_url}})
+    run = start("run", str(config_path), cwd=tmp_path)
+    wait_for(lambda: query(db_url, "SELECT 1 FROM train_steps WHERE step >= 3"), timeout=180)
+    os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, Ray's daemons too
+    output, _ = run.communicate(timeout=180)
+    assert run.returncode == 130, output
+    (status,), = query(db_url, "SELECT status FROM runs")
+    (stopped_at,), = query(db_url, "SELECT max(step) FROM train_steps")
+    assert status == "stopped" and 3 <= stopped_at < 40
+    assert (tmp_path / "ck" / "interrupted" / f"step-{stopped_at:06d}").is_dir()
+    assert query(db_url, "SELECT count(*) FROM tasks WHERE claim_token IS NOT NULL") == [(0,)]
+    assert query(db_url, "SELECT count(*) FROM experiences WHERE status = 'leased'") == [(0,)]
+    finish(start("run", str(config_path), "--resume", cwd=tmp_path))
+    found = ledger(db_url)
+    assert found["steps"] == list(range(41)) and found["status"] == "finished"
+    assert (found["bad_steps"], found["trained_twice"]) == (0, 0)

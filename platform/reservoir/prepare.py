@@ -11,7 +11,7 @@ from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError
 from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.store import Store
-from reservoir.store.runs import create_run, run_exists, run_id_of
+from reservoir.store.runs import create_run, run_exists, run_id_of, set_status
 from reservoir.store.tasks import add_tasks
 
 RUN_LOCK = 7_146_001  # advisory lock key: creating a run and loading its tasks
@@ -59,3 +59,18 @@ def ensure_run(store: Store, config: ReservoirConfig) -> int:
                             model=str(config.model.path), config=config.model_dump(mode="json"))
         add_tasks(conn, run_id, rows)
         return run_id
+
+
+def check_resumable(config: ReservoirConfig) -> None:
+    from reservoir.trainer.checkpoint import latest_checkpoint
+
+    checkpoints = Path(config.trainer.checkpoint_dir) / config.run.name
+    if latest_checkpoint(checkpoints) is None:
+        raise ConfigError(f"--resume: no checkpoint under {checkpoints}")
+
+
+def reopen(store: Store, run_id: int) -> None:
+    """Mark a stopped, failed or finished run running again before its workers start (a
+    resume): explorers leave a run they see ended."""
+    with store.engine.begin() as conn:
+        set_status(conn, run_id, "running")
