@@ -193,11 +193,14 @@ def model_tiny(out_dir: Path = typer.Argument(..., help="Folder to write the mod
     console.print(f"tiny Qwen2 ({layers} layers, seed {seed}) saved to {path}")
 
 
-def _print_summary(summary) -> None:
+def _end_run(summary) -> None:
+    """The run's summary line; exit code 130 when it was stopped by Ctrl-C."""
     curve = ", ".join(f"{step if isinstance(step, str) else f'step {step}'}: {accuracy:.2f}"
                       for step, accuracy in summary.accuracy)
     console.print(f"run {summary.run!r}: {summary.steps} steps, policy version "
                   f"{summary.version}; held-out accuracy {curve}")
+    if summary.stopped:
+        sys.exit(130)
 
 
 ResumeOption = typer.Option(False, help="Continue from the last checkpoint.")
@@ -209,10 +212,7 @@ def run_command(config: Path = typer.Argument(..., help="Run config YAML."),
     """Run RFT: a trainer and explorer workers (Ray) meeting in the store, shown live."""
     from reservoir import pool
 
-    summary = pool.run(load_config(config), resume=resume, console=console)
-    _print_summary(summary)
-    if summary.stopped:
-        sys.exit(130)
+    _end_run(pool.run(load_config(config), resume=resume, console=console))
 
 
 @app.command("explore")
@@ -237,10 +237,7 @@ def train_command(config: Path = typer.Argument(..., help="Run config YAML."),
     """The trainer only: lease, train, commit, publish; explorers run elsewhere."""
     from reservoir import pool
 
-    summary = pool.train(load_config(config), resume=resume, console=console)
-    _print_summary(summary)
-    if summary.stopped:
-        sys.exit(130)
+    _end_run(pool.train(load_config(config), resume=resume, console=console))
 
 
 @app.command("report")

@@ -21,7 +21,7 @@ from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.monitor import Monitor, live
 from reservoir.pipeline.stream import PipelineWorker, stream_spec
-from reservoir.prepare import absolute, check_model, check_resumable, ensure_run, reopen
+from reservoir.prepare import absolute, check_model, ensure_run
 from reservoir.store import Store
 from reservoir.trainer.worker import RunSummary, TrainerWorker
 
@@ -38,10 +38,7 @@ def run(config: ReservoirConfig, *, resume: bool = False,
     for index, path in enumerate(config.pipelines):
         stream_spec(path, index)  # a bad pipeline fails before anything starts
     with Store.open(config) as store, _ray(config):
-        run_id = ensure_run(store, config)
-        if resume:
-            check_resumable(config)
-            reopen(store, run_id)
+        ensure_run(store, config, resume=resume)
         trainer = _actor(TrainerWorker).remote(config, resume=resume,
                                                evaluate=partial(held_out_accuracy, config))
         explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
@@ -109,10 +106,7 @@ def train(config: ReservoirConfig, *, resume: bool = False,
     console = console or Console()
     config = _prepared(config)
     with Store.open(config) as store:
-        run_id = ensure_run(store, config)
-        if resume:
-            check_resumable(config)
-            reopen(store, run_id)
+        ensure_run(store, config, resume=resume)
         monitor = Monitor(store.engine, config.run.name, config.trainer.steps)
         trainer = TrainerWorker(config, resume=resume, console=console,
                                 evaluate=partial(held_out_accuracy, config))

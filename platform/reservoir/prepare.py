@@ -48,8 +48,17 @@ def task_rows(config: ReservoirConfig) -> list[dict]:
     raise ConfigError("tasks: set tasks.file or tasks.generate")
 
 
-def ensure_run(store: Store, config: ReservoirConfig) -> int:
-    """The run's id; the first caller creates it and loads its tasks, in one transaction."""
+def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -> int:
+    """The run's id; the first caller creates it and loads its tasks, in one transaction.
+
+    With resume, the run must have a checkpoint, and it is marked running again before its
+    workers start: explorers leave a run they see stopped, failed or finished."""
+    if resume:
+        check_resumable(config)
+        run_id = ensure_run(store, config)
+        with store.engine.begin() as conn:
+            set_status(conn, run_id, "running")
+        return run_id
     with store.engine.begin() as conn:
         conn.execute(select(func.pg_advisory_xact_lock(RUN_LOCK)))
         if run_exists(conn, config.run.name):
@@ -68,9 +77,3 @@ def check_resumable(config: ReservoirConfig) -> None:
     if latest_checkpoint(checkpoints) is None:
         raise ConfigError(f"--resume: no checkpoint under {checkpoints}")
 
-
-def reopen(store: Store, run_id: int) -> None:
-    """Mark a stopped, failed or finished run running again before its workers start (a
-    resume): explorers leave a run they see ended."""
-    with store.engine.begin() as conn:
-        set_status(conn, run_id, "running")

@@ -23,7 +23,7 @@ from reservoir.errors import ReservoirError
 from reservoir.pipeline.bridge import Step, build_steps, dataset, run_step
 from reservoir.pipeline.spec import PipelineSpec
 from reservoir.pipeline.tokens import reencode
-from reservoir.pipeline.validate import Outcome, check_specs, validate
+from reservoir.pipeline.validate import Outcome, check_specs, jsonable, validate
 from reservoir.store import Store
 from reservoir.store import pipelines as queries
 from reservoir.store.runs import run_id_of
@@ -164,7 +164,7 @@ def _record_drops(step: Step, before: list[int], after: list[int], with_stats,
     stats = ([s or {} for s in with_stats.select([p for p, _ in dropped])["__dj__stats__"]]
              if with_stats is not None else [{}] * len(dropped))
     for (_, row_id), row_stats in zip(dropped, stats):
-        row_stats = _plain(dict(row_stats))
+        row_stats = jsonable(dict(row_stats))
         trace.dropped[row_id] = event = {
             "experience_id": row_id, "operator": step.name, "kind": "dropped",
             "reason": row_stats.get("reason") or _reason(step, row_stats), "stats": row_stats}
@@ -198,7 +198,7 @@ def _change_event(step: Step, row_id: int, before: dict, after: dict, changed: l
             stats[name] = {"before": before[name], "after": after[name]}
     return {"experience_id": row_id, "operator": step.name,
             "kind": "scored" if changed == ["priority"] else "changed",
-            "reason": f"{step.name} set {', '.join(changed)}", "stats": _plain(stats)}
+            "reason": f"{step.name} set {', '.join(changed)}", "stats": jsonable(stats)}
 
 
 def _differs(a, b) -> bool:
@@ -318,16 +318,6 @@ def _keep_unchanged(conn, changes: queries.Changes, originals: dict) -> int:
 
 def _stored(name: str, value):
     return json.loads(value) if name in JSON_FIELDS and isinstance(value, str) else value
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _describe(exc: BaseException) -> str:

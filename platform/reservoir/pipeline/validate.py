@@ -161,11 +161,11 @@ def _outcome(name: str, kwargs: dict, result) -> Outcome:
     else:
         ids = []
     unexpected = detail.get("unexpected_count", len(ids) if "details" in detail else None)
-    return Outcome(expectation=name, kwargs=_plain(kwargs), success=bool(result.success),
-                   element_count=_plain(detail.get("element_count")),
-                   unexpected_count=_plain(unexpected),
+    return Outcome(expectation=name, kwargs=jsonable(kwargs), success=bool(result.success),
+                   element_count=jsonable(detail.get("element_count")),
+                   unexpected_count=jsonable(unexpected),
                    failing_ids=[int(i) for i in ids if i is not None],
-                   sample=_plain((detail.get("partial_unexpected_list") or [])[:20]),
+                   sample=jsonable((detail.get("partial_unexpected_list") or [])[:20]),
                    error=_error(result))
 
 
@@ -179,12 +179,12 @@ def _error(result) -> str | None:
     return "; ".join(m for m in messages if m) or None
 
 
-def _plain(value):
+def jsonable(value):
     """JSON-ready: numpy scalars unwrapped, NaN and infinities as None."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):

@@ -25,7 +25,7 @@ from rich.console import Console
 from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError, FlowControlTimeout
 from reservoir.models import load_model, save_weights
-from reservoir.prepare import check_model
+from reservoir.prepare import check_model, check_resumable
 from reservoir.store import Store
 from reservoir.store.ledger import add_step_metrics, last_step, record_step, step_experiences
 from reservoir.store.runs import run_id_of, set_status
@@ -93,8 +93,8 @@ class TrainerWorker:
         if trained and not self.resume:
             raise ConfigError(f"run.name: run {self.config.run.name!r} has already trained; "
                               "continue it with --resume or choose another name")
-        if self.resume and latest_checkpoint(self.checkpoints) is None:
-            raise ConfigError(f"--resume: no checkpoint under {self.checkpoints}")
+        if self.resume:
+            check_resumable(self.config)
 
     @property
     def checkpoints(self) -> Path:
