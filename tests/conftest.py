@@ -20,6 +20,7 @@ from sqlalchemy.engine import make_url
 from reservoir.config import SamplerConfig
 from reservoir.store import Store, migrate, server
 from reservoir.store.engine import sync_engine
+from tests.commands import reservoir
 
 TEST_URL_ENV = "RESERVOIR_TEST_DB_URL"
 
@@ -111,3 +112,17 @@ def make_store(db_url):
 @pytest.fixture
 def store(make_store) -> Store:
     return make_store()
+
+
+@pytest.fixture
+def cli(db_url, tmp_path):
+    """`reservoir ...` on a fresh database at head; fails the test on a non-zero exit."""
+
+    def run(*args: str) -> str:
+        result = reservoir(*args, url=db_url, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    run.url = db_url
+    run.raw = lambda *args: reservoir(*args, url=db_url, cwd=tmp_path)
+    return run

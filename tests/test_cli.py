@@ -13,43 +13,7 @@ from sqlalchemy import text
 
 from reservoir.store import migrate
 from reservoir.store.engine import sync_engine
-
-RESERVOIR = Path(sys.executable).with_name("reservoir")
-
-
-def reservoir(*args: str, url: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RESERVOIR_DB_URL": url, "COLUMNS": "200"}
-    return subprocess.run([str(RESERVOIR), *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
-
-
-def scalar(url: str, sql: str):
-    engine = sync_engine(url)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(text(sql)).scalar()
-    finally:
-        engine.dispose()
-
-
-def key_values(out: str) -> dict[str, str]:
-    """The two-column tables `inspect` prints, as a dict."""
-    rows = ([cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines())
-    return {row[0]: row[1] for row in rows if len(row) == 2}
-
-
-@pytest.fixture
-def cli(db_url, tmp_path):
-    """`reservoir ...` on a fresh database at head; fails the test on a non-zero exit."""
-
-    def run(*args: str) -> str:
-        result = reservoir(*args, url=db_url, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
-        return result.stdout
-
-    run.url = db_url
-    run.raw = lambda *args: reservoir(*args, url=db_url, cwd=tmp_path)
-    return run
+from tests.commands import key_values, reservoir, scalar
 
 
 @pytest.fixture

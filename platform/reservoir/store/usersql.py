@@ -1,0 +1,351 @@
+"""SQL a person typed: read as PostgreSQL reads it, bound, and run as exactly one statement.
+
+`reservoir sql` and a pipeline's `source.where` hand their text to this module, and nothing
+else does. The guarantees come from the server, not from inspecting the text:
+
+- the statement goes through the extended protocol (asyncpg prepares it), which refuses a
+  second statement: `COMMIT; DROP TABLE t` is an error, not two commands;
+- values are bound parameters: `:name` in the text becomes `$n` (PostgreSQL's `::type` cast
+  idiom, `:x::int`, works), and the value is converted to the type the server infers;
+- unless writes are asked for, it runs in a READ ONLY transaction that is always rolled back,
+  so nothing it did survives (large objects, notifications and session settings included) and
+  only the kinds of statement that read (SELECT, WITH, VALUES, TABLE, SHOW, EXPLAIN) are taken;
+- a statement timeout bounds it.
+
+The scanner below only finds `:name` placeholders, parentheses and the first keyword; it
+follows PostgreSQL's lexical rules for quotes, dollar quotes and comments so that a colon or a
+parenthesis inside them is left alone.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from reservoir.errors import StoreError
+
+READ_KINDS = ("select", "with", "values", "table", "show", "explain")
+DEFAULT_TIMEOUT_S = 30.0
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
+_DOLLAR_TAG = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$")
+_WORD = re.compile(r"[A-Za-z_]+")
+
+
+class UserSQLError(StoreError):
+    """The SQL text or its parameters were refused before or by the server; nothing changed."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: str  # code | string | ident | comment | param
+    text: str
+
+
+def scan(sql: str) -> Iterator[Segment]:
+    """Split SQL into code, string literals, quoted identifiers, comments and :name params."""
+    i, n, code_start = 0, len(sql), 0
+    while i < n:
+        char = sql[i]
+        end, kind = None, None
+        if char == "'":
+            end, kind = _string_end(sql, i, backslashes=_escape_prefix(sql, i)), "string"
+        elif char == '"':
+            end, kind = _quoted_end(sql, i, '"'), "ident"
+        elif char == "-" and sql.startswith("--", i):
+            newline = sql.find("\n", i)
+            end, kind = (n if newline < 0 else newline), "comment"
+        elif char == "/" and sql.startswith("/*", i):
+            end, kind = _block_comment_end(sql, i), "comment"
+        elif char == "$" and not _after_identifier(sql, i):
+            tag = _DOLLAR_TAG.match(sql, i)
+            if tag:
+                close = sql.find(tag.group(0), tag.end())
+                if close < 0:
+                    raise UserSQLError("unterminated dollar-quoted string "
+                                       f"{tag.group(0)}...: nothing was run")
+                end, kind = close + len(tag.group(0)), "string"
+            elif i + 1 < n and sql[i + 1].isdigit():
+                raise UserSQLError("positional parameters ($1) are not taken: write :name and "
+                                   "pass the value with -p name=value (or the pipeline's params)")
+        elif char == ":":
+            if sql.startswith("::", i):
+                i += 2
+                continue
+            name = _IDENT.match(sql, i + 1)
+            if name and (i == 0 or sql[i - 1] != ":"):
+                end, kind = name.end(), "param"
+        if kind is None:
+            i += 1
+            continue
+        if code_start < i:
+            yield Segment("code", sql[code_start:i])
+        yield Segment(kind, sql[i:end] if kind != "param" else sql[i + 1:end])
+        i = code_start = end
+    if code_start < n:
+        yield Segment("code", sql[code_start:])
+
+
+def _after_identifier(sql: str, i: int) -> bool:
+    return i > 0 and (sql[i - 1].isalnum() or sql[i - 1] in "_$")
+
+
+def _escape_prefix(sql: str, i: int) -> bool:
+    """Whether the quote at i opens an E'...' string (backslash escapes)."""
+    return i > 0 and sql[i - 1] in "eE" and not _after_identifier(sql, i - 1)
+
+
+def _string_end(sql: str, i: int, *, backslashes: bool) -> int:
+    j = i + 1
+    while j < len(sql):
+        if backslashes and sql[j] == "\\":
+            j += 2
+            continue
+        if sql[j] == "'":
+            if sql.startswith("''", j):
+                j += 2
+                continue
+            return j + 1
+        j += 1
+    raise UserSQLError("unterminated string literal: nothing was run")
+
+
+def _quoted_end(sql: str, i: int, quote: str) -> int:
+    j = i + 1
+    while True:
+        j = sql.find(quote, j)
+        if j < 0:
+            raise UserSQLError("unterminated quoted identifier: nothing was run")
+        if sql.startswith(quote * 2, j):
+            j += 2
+            continue
+        return j + 1
+
+
+def _block_comment_end(sql: str, i: int) -> int:
+    depth, j = 0, i
+    while j < len(sql):
+        if sql.startswith("/*", j):
+            depth, j = depth + 1, j + 2
+        elif sql.startswith("*/", j):
+            depth, j = depth - 1, j + 2
+            if depth == 0:
+                return j
+        else:
+            j += 1
+    raise UserSQLError("unterminated /* comment: nothing was run")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """SQL with `$n` placeholders and the parameter names they stand for, in order."""
+
+    sql: str
+    names: tuple[str, ...]
+
+
+def bind_names(sql: str, *, first: int = 1) -> Bound:
+    """Replace each :name with $n (the same name, the same n); `first` numbers the first one."""
+    parts, names = [], []
+    for segment in scan(sql):
+        if segment.kind != "param":
+            parts.append(segment.text)
+            continue
+        if segment.text not in names:
+            names.append(segment.text)
+        parts.append(f"${first + names.index(segment.text)}")
+    return Bound("".join(parts), tuple(names))
+
+
+def first_keyword(sql: str) -> str:
+    """The statement's first word (lower case), past comments and opening parentheses."""
+    for segment in scan(sql):
+        if segment.kind == "comment":
+            continue
+        if segment.kind != "code":
+            return ""
+        stripped = segment.text.lstrip(" \t\r\n(")
+        if stripped:
+            word = _WORD.match(stripped)
+            return word.group(0).lower() if word else ""
+    return ""
+
+
+def check_expression(sql: str, what: str) -> None:
+    """One expression: parentheses balanced (never closing one it did not open), no `;`."""
+    depth = 0
+    for segment in scan(sql):
+        if segment.kind != "code":
+            continue
+        if ";" in segment.text:
+            raise UserSQLError(f"{what}: ';' ends a statement; write one boolean expression")
+        for char in segment.text:
+            depth += (char == "(") - (char == ")")
+            if depth < 0:
+                raise UserSQLError(f"{what}: a ')' closes a parenthesis the expression did not "
+                                   "open; write one boolean expression")
+    if depth:
+        raise UserSQLError(f"{what}: {depth} parenthesis left open")
+    if not sql.strip():
+        raise UserSQLError(f"{what} is empty")
+
+
+# -- parameter values, converted to the types the server inferred -----------------------------
+
+def _boolean(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("true", "t", "yes", "y", "on", "1"):
+        return True
+    if lowered in ("false", "f", "no", "n", "off", "0"):
+        return False
+    raise ValueError("not a boolean (true or false)")
+
+
+def _timestamp(aware: bool):
+    def parse(value: str) -> dt.datetime:
+        parsed = dt.datetime.fromisoformat(value.strip())
+        if aware and parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=dt.timezone.utc)
+        return parsed
+    return parse
+
+
+def _json_text(value: Any) -> str:
+    if isinstance(value, str):
+        json.loads(value)  # must be JSON text already
+        return value
+    return json.dumps(value, allow_nan=False)
+
+
+CONVERTERS = {
+    "int2": int, "int4": int, "int8": int, "oid": int,
+    "float4": float, "float8": float, "numeric": decimal.Decimal,
+    "bool": _boolean, "uuid": uuid.UUID, "date": dt.date.fromisoformat,
+    "timestamp": _timestamp(False), "timestamptz": _timestamp(True),
+    "text": str, "varchar": str, "bpchar": str, "name": str, "unknown": str,
+    "json": _json_text, "jsonb": _json_text,
+}
+NUMBERS = {int: (int,), float: (int, float), decimal.Decimal: (int, float)}
+
+
+def convert(name: str, value: Any, type_name: str, kind: str) -> Any:
+    """A value of the Python type asyncpg encodes for `type_name`; UserSQLError otherwise.
+
+    Text (from `-p name=value`) is parsed; typed values (from a pipeline's YAML params) must
+    already fit: an integer for a float is fine, a float or a boolean for an integer is not."""
+    if value is None:
+        return None
+    try:
+        if kind == "array":
+            items = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)):
+                raise ValueError("not a list (write it as JSON, e.g. [1, 2])")
+            return [convert(name, item, type_name.removeprefix("_"), "scalar") for item in items]
+        converter = CONVERTERS.get(type_name)
+        if converter is None:
+            raise ValueError(f"no conversion to {type_name}; cast it in the SQL, e.g. "
+                             f":{name}::text::{type_name}")
+        if isinstance(value, str) or converter is _json_text:
+            return converter(value)
+        if isinstance(value, bool):
+            if converter is _boolean:
+                return value
+        elif type(value) in NUMBERS.get(converter, ()):
+            return converter(value)
+        raise ValueError(f"a {type(value).__name__} where {type_name} is needed")
+    except (ValueError, TypeError, ArithmeticError) as exc:
+        raise UserSQLError(f"parameter :{name} = {value!r}: {exc} (the statement needs "
+                           f"{type_name}); nothing was run") from None
+
+
+@dataclass(frozen=True)
+class Result:
+    columns: list[str]
+    types: list[str]
+    rows: list[tuple[Any, ...]]
+    status: str  # the server's command tag, e.g. "SELECT 3" or "UPDATE 5"
+
+    @property
+    def rowcount(self) -> int:
+        tail = self.status.rsplit(" ", 1)[-1]
+        return int(tail) if tail.isdigit() else len(self.rows)
+
+
+@asynccontextmanager
+async def transaction(conn, *, write: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                      isolation: str = "read_committed") -> AsyncIterator[None]:
+    """A transaction for user SQL on an asyncpg connection: READ ONLY and always rolled back
+    unless `write`; every statement in it is cut off after `timeout_s`."""
+    tx = conn.transaction(readonly=not write, isolation=isolation)
+    await tx.start()
+    try:
+        await conn.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout_s * 1000))}")
+        yield
+    except BaseException:
+        await tx.rollback()
+        raise
+    if write:
+        await tx.commit()
+    else:
+        await tx.rollback()
+
+
+async def fetch(conn, sql: str, values: dict[str, Any] | None = None, *, write: bool = False,
+                first: int = 1, fixed: Sequence[Any] = ()) -> Result:
+    """Prepare and run one statement inside `transaction`; `fixed` are trusted values bound
+    to $1.. before the user's :names (numbered from `first`)."""
+    bound = bind_names(sql, first=first)
+    values = values or {}
+    missing = [name for name in bound.names if name not in values]
+    if missing:
+        raise UserSQLError(f"the statement uses :{missing[0]} but no value was given "
+                           f"(-p {missing[0]}=VALUE); nothing was run")
+    kind = first_keyword(sql)
+    if not kind:
+        raise UserSQLError("the statement is empty; nothing was run")
+    if kind == "copy":
+        raise UserSQLError("COPY is not run here: --format csv exports a query's rows")
+    if not write and kind not in READ_KINDS:
+        raise UserSQLError(f"{kind.upper()} is not a query: without --write only "
+                           f"{', '.join(k.upper() for k in READ_KINDS)} run")
+    import asyncpg
+
+    try:
+        statement = await conn.prepare(bound.sql)
+        parameters = statement.get_parameters()[len(fixed):]
+        args = [convert(name, values[name], parameter.name, parameter.kind)
+                for name, parameter in zip(bound.names, parameters)]
+        records = await statement.fetch(*fixed, *args)
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise UserSQLError(f"SQL failed: {_named(describe(exc), bound.names, first)}; "
+                           "nothing was changed") from None
+    attributes = statement.get_attributes()
+    return Result([a.name for a in attributes], [a.type.name for a in attributes],
+                  [tuple(record) for record in records], statement.get_statusmsg())
+
+
+async def run(conn, sql: str, values: dict[str, Any] | None = None, *, write: bool = False,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> Result:
+    """One statement in its own transaction (see the module's rules)."""
+    async with transaction(conn, write=write, timeout_s=timeout_s):
+        return await fetch(conn, sql, values, write=write)
+
+
+def _named(message: str, names: Sequence[str], first: int) -> str:
+    """Server messages say $2 where the person wrote :name."""
+    return re.sub(r"\$(\d+)", lambda m: (f":{names[int(m.group(1)) - first]}"
+                                         if 0 <= int(m.group(1)) - first < len(names)
+                                         else m.group(0)), message)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a server error: its message, and the hint PostgreSQL gave."""
+    text = str(exc).strip()
+    message = text.splitlines()[0] if text else type(exc).__name__
+    hint = getattr(exc, "hint", None)
+    return f"{message} (hint: {hint})" if hint else message
