@@ -80,6 +80,8 @@ def new_database(admin_url):
         name = f"reservoir_t_{uuid.uuid4().hex[:10]}"
         suffix = f' TEMPLATE "{template}"' if template else ""
         _admin(admin_url, f'CREATE DATABASE "{name}"{suffix}')
+        if template:  # a copy does not inherit the database privileges migration 0006 set
+            _admin(admin_url, f'REVOKE TEMPORARY ON DATABASE "{name}" FROM PUBLIC')
         created.append(name)
         return _database_url(admin_url, name)
 

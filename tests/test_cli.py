@@ -62,7 +62,7 @@ def test_demo_then_inspect_run_and_experience(cli):
     experience = cli("inspect", "experience", "1")
     assert "lineage" in experience
     fields = key_values(experience)
-    assert (fields["run"], fields["status"], fields["consumed_step"]) == ("quickstart", "consumed", "1")
+    assert (fields["run"], fields["status"], fields["last_step"]) == ("quickstart", "consumed", "1")
     assert "synthetic://v1" in experience  # trained at step 1, first published in version 1
 
 
@@ -87,9 +87,11 @@ def test_sql_param_binds(two_runs):
 def test_sql_is_read_only_unless_write(two_runs):
     refused = two_runs.raw("sql", "DELETE FROM runs")
     assert refused.returncode == 1
-    assert "read-only transaction" in refused.stderr and "Traceback" not in refused.stderr
+    assert "DELETE is not a query" in refused.stderr and "Traceback" not in refused.stderr
+    hidden = two_runs.raw("sql", "WITH d AS (DELETE FROM runs RETURNING 1) SELECT count(*) FROM d")
+    assert "read-only transaction" in hidden.stderr and hidden.stderr.count("\n") == 1
     assert scalar(two_runs.url, "SELECT count(*) FROM runs") == 2
-    assert "2 rows affected" in two_runs("sql", "DELETE FROM runs", "--write")
+    assert "DELETE 2" in two_runs("sql", "DELETE FROM runs", "--write")
     assert scalar(two_runs.url, "SELECT count(*) FROM runs") == 0
 
 
@@ -98,7 +100,7 @@ def test_config_with_an_unknown_key_names_it(cli, tmp_path):
     config.write_text("store:\n  urll: postgresql://x@y/z\n")
     result = cli.raw("db", "url", "-c", str(config))
     assert result.returncode == 1
-    assert "store.urll: unknown key; did you mean 'url'?" in result.stderr
+    assert "store.urll (line 2): unknown key; did you mean 'url'?" in result.stderr
 
 
 def test_inspect_an_unknown_run_fails_clearly(cli):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def test_unknown_key_names_file_path_and_suggestion(write):
     path = write("sampler:\n  max_stalenes: 3\n")
     message = config_error(path)
     assert str(path) in message
-    assert "sampler.max_stalenes: unknown key" in message
+    assert "sampler.max_stalenes (line 2): unknown key" in message
     assert "did you mean 'max_staleness'" in message
 
 
@@ -47,7 +48,7 @@ def test_unknown_key_without_close_match_lists_the_valid_keys(write):
 
 def test_unknown_section_suggests_one(write):
     message = config_error(write("samplr:\n  order: lifo\n"))
-    assert "samplr: unknown key; did you mean 'sampler'" in message
+    assert "samplr (line 1): unknown key; did you mean 'sampler'" in message
 
 
 @pytest.mark.parametrize("body, key", [
@@ -61,7 +62,7 @@ def test_wrong_type_or_value_names_the_key(write, body, key):
     path = write(body)
     message = config_error(path)
     assert str(path) in message
-    assert f"\n  {key}: " in message
+    assert re.search(rf"[:;] {re.escape(key)}( \(line \d+\))?: ", message), message
 
 
 def test_invalid_yaml_names_the_file(write):
@@ -95,7 +96,7 @@ def test_top_level_must_be_a_mapping(write, body):
 def test_consumed_rows_need_max_times_sampled_above_one(write):
     message = config_error(write("sampler:\n  sample_from: [ready, consumed]\n"
                                  "  max_times_sampled: 1\n"))
-    assert "sampler:" in message and "max_times_sampled is 1" in message
+    assert "sampler (line 1):" in message and "max_times_sampled is 1" in message
     config = load_config(write("sampler:\n  sample_from: [ready, consumed]\n"
                                "  max_times_sampled: 2\n"))
     assert config.sampler.sample_from == ("ready", "consumed")

@@ -13,7 +13,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from reservoir.config import ReservoirConfig, StoreConfig
-from reservoir.errors import SchemaOutOfDate
+from reservoir.errors import SchemaOutOfDate, StoreError
 from reservoir.store import Store, migrate
 from reservoir.store.engine import sync_engine
 from reservoir.store.schema import metadata
@@ -22,7 +22,8 @@ CORE_TABLES = {"runs", "tasks", "experiences", "policy_versions", "train_steps",
                "pipeline_runs", "operator_events", "validations", "schedules", "reviews",
                "preferences"}
 VIEWS = {"experiences", "experience_tokens", "run_steps", "lineage", "runs", "pipeline_runs",
-         "operator_events", "validations", "reviews"}
+         "operator_events", "validations", "reviews", "tasks", "policy_versions", "schedules",
+         "preferences"}
 
 
 @pytest.fixture
@@ -101,9 +102,12 @@ def test_database_built_from_migrations_matches_declared_schema(db_url, engines)
     assert diff == []
 
 
-def test_store_open_upgrades_an_empty_database_and_says_so(new_database, engines, capsys):
+def test_store_open_upgrades_an_empty_database_only_when_asked(new_database, engines, capsys):
     url = new_database()
-    store = Store.open(ReservoirConfig(store=StoreConfig(url=url)))
+    with pytest.raises(StoreError, match="has no Reservoir schema.*nothing was changed"):
+        Store.open(ReservoirConfig(store=StoreConfig(url=url)))
+    assert migrate.current_revision(engines(url)) is None
+    store = Store.open(ReservoirConfig(store=StoreConfig(url=url)), migrate=True)
     store.close()
     assert migrate.current_revision(engines(url)) == migrate.head_revision()
     err = " ".join(capsys.readouterr().err.split())

@@ -125,7 +125,7 @@ def test_validation_fail_changes_nothing(store):
 def test_bad_pipelines_name_file_key_and_operator(tmp_path, store):
     bad = tmp_path / "bad.yaml"
     bad.write_text("source:\n  runs: [p]\n  limt: 3\nprocess:\n  - text_length_filter: {}\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: invalid pipeline\n  source.limt \(line 3\): "
+    with pytest.raises(ConfigError, match=r"bad.yaml: invalid: source.limt \(line 3\): "
                                           r"unknown key; did you mean 'limit'"):
         load_pipeline(bad)
     bad.write_text("process: [\n")

@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from reservoir.errors import ConfigError
 from reservoir.pipeline.schedule import add_schedule, missed_times, run_due
-from reservoir.store.schedules import try_lock, unlock
+from reservoir.store.schedules import lock_if_due
 from tests.factories import make_group
 
 RESERVOIR = Path(sys.executable).with_name("reservoir")
@@ -53,10 +53,9 @@ def test_add_checks_cron_and_pipeline(tmp_path, store, pipeline):
 def test_a_locked_schedule_is_left_to_its_holder_and_runs_once(store, pipeline):
     schedule_id = add_schedule(store, pipeline, "* * * * *")
     make_due(store)
-    with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
-        assert try_lock(other, schedule_id)  # another scheduler is running it
+    with store.engine.begin() as other:
+        assert lock_if_due(other, schedule_id)  # another scheduler is running it
         assert run_due(store, Console(quiet=True)) == []
-        unlock(other, schedule_id)
     assert run_due(store, Console(quiet=True)) == [schedule_id]
     assert run_due(store, Console(quiet=True)) == []  # no longer due
     assert one(store, "SELECT count(*), min(trigger), min(status) FROM pipeline_runs") == (

@@ -199,7 +199,8 @@ def test_round_trip_through_numpy(written, store):
 
 def test_round_trip_through_sql_decoders(written, store):
     group, _ = written
-    rows = fetch(store, "SELECT * FROM analytics.experience_tokens WHERE run = 'r' ORDER BY id")
+    rows = fetch(store, "SELECT * FROM analytics.experience_tokens WHERE run = 'r' "
+                        "ORDER BY experience_id")
     assert len(rows) == len(group)
     for exp, r in zip(group, rows):
         assert r.prompt_ids == [int(t) for t in exp.prompt_ids]

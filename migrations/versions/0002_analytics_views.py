@@ -6,7 +6,7 @@ Create Date: 2026-11-30
 
 Views run with their owner's rights, so reservoir_reader reads experiences through them without
 any privilege on the base tables. The role is cluster-wide: downgrade revokes its access to this
-database and keeps the role, which other databases on the server may use.
+database and drops the role, unless another database on the server still grants it something.
 """
 
 from alembic import op
@@ -154,6 +154,16 @@ GRANT USAGE ON SCHEMA analytics TO reservoir_reader;
 GRANT SELECT ON ALL TABLES IN SCHEMA analytics TO reservoir_reader;
 """
 
+DROP_READER = """
+DO $$
+BEGIN
+  DROP ROLE IF EXISTS reservoir_reader;
+EXCEPTION WHEN dependent_objects_still_exist THEN
+  RAISE NOTICE 'reservoir_reader kept: another database grants it privileges';
+END
+$$;
+"""
+
 
 def upgrade() -> None:
     op.execute("CREATE SCHEMA analytics")
@@ -166,3 +176,4 @@ def downgrade() -> None:
     op.execute("REVOKE ALL ON ALL TABLES IN SCHEMA analytics FROM reservoir_reader")
     op.execute("REVOKE ALL ON SCHEMA analytics FROM reservoir_reader")
     op.execute("DROP SCHEMA analytics CASCADE")
+    op.execute(DROP_READER)

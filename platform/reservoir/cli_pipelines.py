@@ -44,7 +44,7 @@ def pipeline_run(file: Path = typer.Argument(..., help="Pipeline YAML."),
     if spec.mode == "stream" and not dry_run:
         _stream(file, run, config)
         return
-    with _open(config) as store, console.status("running pipeline") as status:
+    with _open(config, migrate=True) as store, console.status("running pipeline") as status:
         result = run_pipeline(store, spec, runs=run or None, dry_run=dry_run,
                               source_file=str(file),
                               progress=lambda message: status.update(message))
@@ -95,7 +95,7 @@ def schedule_add(file: Path = typer.Argument(..., help="Pipeline YAML (mode: onc
     """Schedule a pipeline (checked first); `schedule serve` runs it when due."""
     from reservoir.pipeline.schedule import add_schedule
 
-    with _open(config) as store:
+    with _open(config, migrate=True) as store:
         schedule_id = add_schedule(store, file, cron, name)
     console.print(f"schedule {schedule_id}: {file} at '{cron}'")
 
@@ -134,7 +134,7 @@ def schedule_serve(poll: float = typer.Option(10.0, help="Seconds between checks
     """Run due pipelines (any number of schedulers may serve one store)."""
     from reservoir.pipeline.schedule import serve
 
-    with _open(config) as store:
+    with _open(config, migrate=True) as store:
         try:
             serve(store, console, poll_s=poll, once=once)
         except KeyboardInterrupt:

@@ -8,15 +8,60 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidationError, model_validator)
 
 from reservoir.errors import ConfigError
+from reservoir.store.urls import DB_URL_ENV, DEFAULT_DATA_DIR, redact
+from reservoir.yamlfile import line_of, read_yaml
 
-DB_URL_ENV = "RESERVOIR_DB_URL"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _run_name(value: str) -> str:
+    if not _NAME.fullmatch(value) or value in (".", ".."):
+        raise ValueError("a name is 1 to 100 letters, digits, '.', '_' or '-', starting with "
+                         "a letter or digit (it names folders and rows)")
+    return value
+
+
+def _not_bool(value):
+    if isinstance(value, bool):
+        raise ValueError("a number, not true or false")
+    return value
+
+
+def _database_url(value: str | None) -> str | None:
+    if value is not None:
+        parts = urlsplit(value)
+        if not parts.scheme.startswith("postgres") or "\x00" in value:
+            raise ValueError("a PostgreSQL URL, e.g. postgresql://user@host:5432/database")
+    return value
+
+
+RunName = Annotated[str, AfterValidator(_run_name)]
+DatabaseUrl = Annotated[str | None, AfterValidator(_database_url)]
+# Numbers are checked for type (no true/false, no 1.5 where a count is meant), range and
+# finiteness; the bounds keep values inside what the store's columns and a machine can hold.
+Count = Annotated[int, Field(strict=True)]
+Number = Annotated[float, BeforeValidator(_not_bool), Field(allow_inf_nan=False)]
+
+
+def count(default: int | None, low: int, high: int, description: str = ""):
+    return Field(default=default, ge=low, le=high, description=description)
+
+
+def number(default: float, *, gt: float | None = None, ge: float | None = None,
+           le: float | None = None, lt: float | None = None, description: str = ""):
+    return Field(default=default, gt=gt, ge=ge, le=le, lt=lt, description=description)
+
+
+DAY = 86_400.0
 
 
 class Section(BaseModel):
@@ -26,14 +71,22 @@ class Section(BaseModel):
 class StoreConfig(Section):
     """Where the experience store lives."""
 
-    url: str | None = Field(
+    url: DatabaseUrl = Field(
         default=None,
         description="PostgreSQL URL. Unset: RESERVOIR_DB_URL, else the embedded server.",
     )
     data_dir: Path = Field(
-        default=Path(".reservoir/pg"),
+        default=Path(DEFAULT_DATA_DIR),
         description="Data directory of the embedded server (used only without a URL).",
     )
+    reader_url: DatabaseUrl = Field(
+        default=None,
+        description="Login of `--as-reader` queries. Unset: RESERVOIR_READER_URL, else the "
+        "store's server as reservoir_reader with RESERVOIR_READER_PASSWORD.",
+    )
+    query_timeout_s: Number = number(
+        30.0, gt=0, le=DAY,
+        description="Statement timeout of `reservoir sql` and `reservoir inspect` queries.")
 
     def resolved_url(self) -> str | None:
         """The server URL from config or environment; None selects the embedded server."""
@@ -44,17 +97,17 @@ class SamplerConfig(Section):
     """Flow control: how trainers lease experiences out of the store (see README glossary)."""
 
     unit: Literal["rows", "groups"] = "groups"
-    batch: int = Field(default=32, ge=1)
+    batch: Count = count(32, 1, 1_000_000)
     order: Literal["fifo", "lifo", "priority", "uniform"] = "fifo"
     sample_from: tuple[Literal["ready", "consumed"], ...] = ("ready",)
-    lease_seconds: float = Field(default=300.0, gt=0)
-    max_staleness: int | None = Field(default=None, ge=0)
-    max_times_sampled: int = Field(default=1, ge=1)
-    samples_per_insert: float | None = Field(default=None, gt=0)
-    spi_tolerance: float = Field(default=1024.0, ge=0)
-    min_ready: int = Field(default=1, ge=1)
-    wait_timeout_s: float = Field(default=60.0, ge=0)
-    poll_interval_s: float = Field(default=0.05, gt=0)
+    lease_seconds: Number = number(300.0, gt=0, le=7 * DAY)
+    max_staleness: Count | None = count(None, 0, 1_000_000)
+    max_times_sampled: Count = count(1, 1, 1_000_000)
+    samples_per_insert: Number | None = number(None, gt=0, le=1e6)
+    spi_tolerance: Number = number(1024.0, ge=0, le=1e12)
+    min_ready: Count = count(1, 1, 1_000_000_000)
+    wait_timeout_s: Number = number(60.0, ge=0, le=30 * DAY)
+    poll_interval_s: Number = number(0.05, gt=0, le=60)
 
     @model_validator(mode="after")
     def _consumed_needs_reuse(self) -> SamplerConfig:
@@ -77,53 +130,57 @@ class TasksConfig(Section):
 
     file: Path | None = None
     generate: Literal["addition", "reverse", "sort"] | None = "reverse"
-    count: int = Field(default=2000, ge=1)
-    test_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    count: Count = count(2000, 1, 10_000_000)
+    test_fraction: Number = number(0.1, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _a_source(self) -> TasksConfig:
+        if self.file is None and self.generate is None:
+            raise ValueError("tasks need a source: set tasks.file (JSONL, Parquet or CSV) or "
+                             "tasks.generate (addition, reverse, sort)")
+        return self
 
 
 class ExplorerConfig(Section):
-    n: int = Field(default=8, ge=1, description="responses per task (the group size)")
-    temperature: float = Field(default=1.0, gt=0)
-    max_tokens: int = Field(default=16, ge=1)
-    batch_tasks: int = Field(default=8, ge=1,
-                             description="tasks a worker claims and samples in one batch")
+    n: Count = count(8, 1, 1024, "responses per task (the group size)")
+    temperature: Number = number(1.0, gt=0, le=100)
+    max_tokens: Count = count(16, 1, 1_000_000)
+    batch_tasks: Count = count(8, 1, 100_000, "tasks a worker claims and samples in one batch")
     reward: Literal["exact_match", "last_number", "boxed"] = "exact_match"
-    workers: int = Field(default=1, ge=1, description="explorer workers (Ray actors)")
-    claim_seconds: float = Field(default=300.0, gt=0,
-                                 description="a dead worker's tasks are claimed again after this")
-    threads: int | None = Field(default=None, ge=1,
-                                description="torch threads per worker; unset: the cores "
-                                "shared by the workers that compute at once")
+    workers: Count = count(1, 1, 1024, "explorer workers (Ray actors)")
+    claim_seconds: Number = number(300.0, gt=0, le=7 * DAY,
+                                   description="a dead worker's tasks are claimed again after this")
+    threads: Count | None = count(None, 1, 1024, "torch threads per worker; unset: the cores "
+                                  "shared by the workers that compute at once")
 
 
 class TrainerConfig(Section):
     algorithm: Literal["grpo", "grpo-kl", "dr-grpo"] = "grpo"
-    lr: float = Field(default=1e-3, gt=0)
-    batch_groups: int = Field(default=8, ge=1)
-    micro_batch: int = Field(default=16, ge=1)
-    sync_interval: int = Field(default=1, ge=1)
-    steps: int = Field(default=50, ge=1)
-    eval_interval: int = Field(default=10, ge=1)
-    warmup_steps: int = Field(default=0, ge=0, description="supervised warm-up steps first")
-    warmup_fraction: float = Field(default=0.5, gt=0, le=1,
-                                   description="share of the train tasks the warm-up sees")
-    warmup_batch: int = Field(default=32, ge=1)
-    warmup_lr: float = Field(default=3e-3, gt=0)
-    checkpoint_interval: int = Field(default=10, ge=1)
+    lr: Number = number(1e-3, gt=0, le=1)
+    batch_groups: Count = count(8, 1, 100_000)
+    micro_batch: Count = count(16, 1, 1_000_000)
+    sync_interval: Count = count(1, 1, 1_000_000)
+    steps: Count = count(50, 1, 100_000_000)
+    eval_interval: Count = count(10, 1, 100_000_000)
+    warmup_steps: Count = count(0, 0, 100_000_000, "supervised warm-up steps first")
+    warmup_fraction: Number = number(0.5, gt=0, le=1,
+                                     description="share of the train tasks the warm-up sees")
+    warmup_batch: Count = count(32, 1, 1_000_000)
+    warmup_lr: Number = number(3e-3, gt=0, le=1)
+    checkpoint_interval: Count = count(10, 1, 100_000_000)
     checkpoint_dir: Path = Path("checkpoints")
-    threads: int | None = Field(default=None, ge=1,
-                                description="torch threads; unset: every core in sync mode, "
-                                "a share of them in async mode")
-    wait_timeout_s: float = Field(default=1800.0, gt=0,
-                                  description="fail the run if no batch arrives for this long")
+    threads: Count | None = count(None, 1, 1024, "torch threads; unset: every core in sync "
+                                  "mode, a share of them in async mode")
+    wait_timeout_s: Number = number(1800.0, gt=0, le=30 * DAY,
+                                    description="fail the run if no batch arrives for this long")
 
 
 class RunSection(Section):
-    name: str = "run"
+    name: RunName = "run"
     mode: Literal["sync", "async"] = Field(
         default="sync", description="sync: on-policy; async: explorers run ahead by at most "
         "sampler.max_staleness policy versions")
-    seed: int = 0
+    seed: Count = count(0, 0, 2**32 - 1)
     ray_address: str | None = Field(
         default=None, description="Ray cluster to run the worker pools on; unset: local Ray")
 
@@ -170,36 +227,42 @@ def load_config(path: Path | str | None) -> ReservoirConfig:
     """Read and validate a YAML config; None gives the defaults."""
     if path is None:
         return ReservoirConfig()
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw, lines = read_yaml(path, "config")
+    raw = raw if raw is not None else {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_config(raw, source=str(path))
+    return parse_config(raw, source=str(path), lines=lines)
 
 
-def parse_config(raw: dict, *, source: str = "<config>") -> ReservoirConfig:
+def parse_config(raw: dict, *, source: str = "<config>",
+                 lines: dict[tuple, int] | None = None) -> ReservoirConfig:
     try:
         return ReservoirConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(describe_errors(exc, source)) from None
+        raise ConfigError(describe_errors(exc, source, ReservoirConfig, lines)) from None
 
 
-def describe_errors(exc: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid config"]
+def describe_errors(exc: ValidationError, source: str, model: type[BaseModel],
+                    lines: dict[tuple, int] | None = None) -> str:
+    """One line: the file, then each bad key (with its line) and what is wrong with it."""
+    problems = []
     for err in exc.errors():
-        key = ".".join(str(part) for part in err["loc"]) or "(top level)"
-        message = err["msg"]
+        loc = tuple(part for part in err["loc"] if not _is_type_tag(part))
+        key = ".".join(str(part) for part in loc) or "(top level)"
+        line = line_of(loc, lines or {})
+        message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            message = "unknown key" + suggest_key(ReservoirConfig, err["loc"])
-        lines.append(f"  {key}: {message} (got {err.get('input')!r})")
-    return "\n".join(lines)
+            message = "unknown key" + suggest_key(model, loc)
+        shown = redact(repr(err.get("input")))
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        where = f"{key} (line {line})" if line else key
+        problems.append(f"{where}: {message} (got {shown})")
+    return f"{source}: invalid: " + "; ".join(problems)
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic puts the branch of a union into an error's location (e.g. 'int', 'str')."""
+    return isinstance(part, str) and ("[" in part or part in ("int", "float", "str", "none"))
 
 
 def suggest_key(model: type[BaseModel], loc: tuple) -> str:

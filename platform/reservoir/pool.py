@@ -37,7 +37,7 @@ def run(config: ReservoirConfig, *, resume: bool = False,
     config = _prepared(config)
     for index, path in enumerate(config.pipelines):
         stream_spec(path, index)  # a bad pipeline fails before anything starts
-    with Store.open(config) as store, _ray(config):
+    with Store.open(config, migrate=True) as store, _ray(config):
         ensure_run(store, config, resume=resume)
         trainer = _actor(TrainerWorker).remote(config, resume=resume,
                                                evaluate=partial(held_out_accuracy, config))
@@ -82,7 +82,7 @@ def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[
     """Explorers only: one in this process, or a Ray pool of explorer.workers."""
     console = console or Console()
     config = _prepared(config)
-    with Store.open(config) as store:
+    with Store.open(config, migrate=True) as store:
         ensure_run(store, config)
         monitor = Monitor(store.engine, config.run.name, config.trainer.steps)
         if config.explorer.workers == 1:
@@ -105,7 +105,7 @@ def train(config: ReservoirConfig, *, resume: bool = False,
     """The trainer only, in this process."""
     console = console or Console()
     config = _prepared(config)
-    with Store.open(config) as store:
+    with Store.open(config, migrate=True) as store:
         ensure_run(store, config, resume=resume)
         monitor = Monitor(store.engine, config.run.name, config.trainer.steps)
         trainer = TrainerWorker(config, resume=resume, console=console,

@@ -1,20 +1,18 @@
 """Before either side of a run starts: the config's paths made absolute, the model folder
-checked, and the run with its tasks created once, however many processes race to do it."""
+checked, and the run with its tasks created once, however many processes race to do it (the
+run's unique name decides: the one whose insert succeeds loads the tasks in the same
+transaction; the others wait for it and find the run)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import func, select
-
 from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError
 from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.store import Store
-from reservoir.store.runs import create_run, run_exists, run_id_of, set_status
+from reservoir.store.runs import insert_run, run_id_of, set_status
 from reservoir.store.tasks import add_tasks
-
-RUN_LOCK = 7_146_001  # advisory lock key: creating a run and loading its tasks
 
 
 def absolute(config: ReservoirConfig) -> ReservoirConfig:
@@ -60,12 +58,11 @@ def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -
             set_status(conn, run_id, "running")
         return run_id
     with store.engine.begin() as conn:
-        conn.execute(select(func.pg_advisory_xact_lock(RUN_LOCK)))
-        if run_exists(conn, config.run.name):
+        run_id = insert_run(conn, config.run.name, group_size=config.explorer.n,
+                            model=str(config.model.path), config=config.model_dump(mode="json"))
+        if run_id is None:  # it exists (another process may have created it a moment ago)
             return run_id_of(conn, config.run.name)
         rows = task_rows(config)
-        run_id = create_run(conn, config.run.name, group_size=config.explorer.n,
-                            model=str(config.model.path), config=config.model_dump(mode="json"))
         add_tasks(conn, run_id, rows)
         return run_id
 

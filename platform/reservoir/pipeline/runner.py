@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from reservoir.errors import ReservoirError
+from reservoir.errors import ConfigError, ReservoirError
 from reservoir.pipeline.bridge import Step, build_steps, dataset, run_step
 from reservoir.pipeline.spec import PipelineSpec
 from reservoir.pipeline.tokens import reencode
@@ -27,6 +27,7 @@ from reservoir.pipeline.validate import Outcome, check_specs, jsonable, validate
 from reservoir.store import Store
 from reservoir.store import pipelines as queries
 from reservoir.store.runs import run_id_of
+from reservoir.store.source import Source, select_rows
 
 TRACKED = ("response_text", "prompt_text", "reward", "reward_components", "metadata", "priority")
 CONTENT = ("response_text", "reward", "reward_components", "metadata")  # what augment copies
@@ -86,18 +87,17 @@ def run_pipeline(store: Store, spec: PipelineSpec, *, runs: list[str] | None = N
         with store.engine.begin() as conn:
             queries.finish_run(conn, pipeline_run, status="failed",
                                duration_s=time.monotonic() - started, error=_describe(exc))
-        if isinstance(exc, ReservoirError) or not isinstance(exc, Exception):
+        if isinstance(exc, (ConfigError, PipelineFailed)) or not isinstance(exc, Exception):
             raise
         raise PipelineFailed(f"pipeline {spec.name!r} failed, nothing was changed "
                              f"(pipeline run {pipeline_run}): {_describe(exc)}") from exc
 
 
 def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
-    with store.engine.begin() as conn:
-        source = spec.source
-        rows = queries.select_rows(conn, source.table, run_ids=run_ids, statuses=source.status,
-                                   where=source.where, params=source.params,
-                                   order_by=source.order_by, limit=source.limit)
+    source = spec.source
+    rows = select_rows(store.url, Source(
+        run_ids=run_ids, statuses=source.status, where=source.where, params=source.params,
+        order_by=source.order_by, limit=source.limit, timeout_s=source.timeout_s))
     progress(f"{len(rows)} rows selected")
     originals = {row["id"]: _to_dataset_row(row) for row in rows}
     from reservoir.operators.store_ops import using  # after build_steps: Data-Juicer imported quietly
@@ -321,4 +321,5 @@ def _stored(name: str, value):
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:2000]
+    text = str(exc) if isinstance(exc, ReservoirError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:2000]

@@ -1,8 +1,9 @@
 """Cron-scheduled pipelines: `reservoir schedule add | list | remove | serve`.
 
 `serve` runs every due pipeline once per due time. Any number of schedulers may serve the same
-store: a PostgreSQL advisory lock per schedule lets one run it, and the schedule's next time is
-re-read under that lock, so a scheduler that waited for the lock does not run it again. If a
+store: a scheduler locks the schedule's row (skipping rows another one holds), re-reads under
+that lock that it is still due, runs the pipeline and advances the next due time before it lets
+go, so no two schedulers run it for the same due time. If a
 scheduler was down past several due times, the pipeline runs once and the missed times are
 reported (and counted in `schedules.missed_runs`), not run one after another.
 """
@@ -63,20 +64,16 @@ def run_due(store: Store, console: Console) -> list[int]:
         candidates = queries.due(conn)
     ran = []
     for schedule in candidates:
-        with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:
-            if not queries.try_lock(lock, schedule["id"]):
-                continue  # another scheduler is running it
-            try:
-                current = queries.still_due(lock, schedule["id"])
-                if current is not None:
-                    _run_one(store, current, console)
-                    ran.append(schedule["id"])
-            finally:
-                queries.unlock(lock, schedule["id"])
+        with store.engine.begin() as lock:
+            current = queries.lock_if_due(lock, schedule["id"])
+            if current is None:
+                continue  # run by another scheduler, or no longer due
+            _run_one(store, lock, current, console)
+            ran.append(schedule["id"])
     return ran
 
 
-def _run_one(store: Store, schedule: dict, console: Console) -> None:
+def _run_one(store: Store, lock, schedule: dict, console: Console) -> None:
     now = datetime.now(timezone.utc)
     missed = missed_times(schedule["cron"], schedule["next_run_at"], now)
     if missed:
@@ -90,9 +87,8 @@ def _run_one(store: Store, schedule: dict, console: Console) -> None:
                       f"{result.rows_in} rows in, {result.rows_out} out")
     except ReservoirError as exc:  # recorded in its pipeline_runs row; the schedule goes on
         console.print(f"[red]schedule {schedule['name']!r} failed:[/] {exc}")
-    with store.engine.begin() as conn:
-        queries.advance(conn, schedule["id"], next_run_at=next_time(schedule["cron"], now),
-                        missed=missed)
+    queries.advance(lock, schedule["id"], next_run_at=next_time(schedule["cron"], now),
+                    missed=missed)
 
 
 def serve(store: Store, console: Console, *, poll_s: float = 10.0, once: bool = False) -> None:

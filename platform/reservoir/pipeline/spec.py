@@ -4,11 +4,12 @@
     source:
       table: experiences             # the rows a pipeline reads and decides about
       runs: [reverse-grpo]           # `--run` on the command line overrides
-      status: [raw]
-      where: "reward >= :floor"      # SQL by the data engineer; runs read-only, values bound
+      status: [raw]                  # raw, ready or quarantined (never leased or consumed)
+      where: "reward >= :floor"      # one boolean expression; runs alone, read-only, bound
       params: {floor: 0}
       order_by: [created_at, id]
-      limit: 10000
+      limit: 10000                   # rows, rounded up to whole groups
+      timeout_s: 60                  # the source query's statement timeout
     text_key: response_text          # the field text operators read, unless an op sets its own
     process:                         # exactly a Data-Juicer recipe's process list
       - text_length_filter: {min_len: 1, max_len: 200}
@@ -21,6 +22,8 @@
       status: ready                  # what rows that pass become
       priority_from: null            # a field (e.g. a scorer's) that sets the priority column
       dropped: quarantined           # quarantined | retired
+      partial_groups: quarantine     # a dropped row's group partners too | keep them
+      unselected: keep               # rows a selector did not pick: keep their status | retired
       mapped: update                 # rewritten rows are updated | augment: a child row
                                      # (parent link, a group of its own) holds the rewrite
     schedule: "*/10 * * * *"
@@ -36,16 +39,13 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from reservoir.config import suggest_key
+from reservoir.config import RunName, describe_errors
 from reservoir.errors import ConfigError
-
-SOURCE_COLUMNS = {
-    "experiences": ("id", "created_at", "reward", "priority", "policy_version", "group_id",
-                    "task_id", "response_len", "times_sampled"),
-}
+from reservoir.yamlfile import read_yaml
+from reservoir.store.source import ORDERABLE
+from reservoir.store.usersql import UserSQLError, check_expression
 
 
 class Part(BaseModel):
@@ -54,21 +54,38 @@ class Part(BaseModel):
 
 class Source(Part):
     table: Literal["experiences"] = "experiences"
-    runs: tuple[str, ...] = ()
-    status: tuple[str, ...] = ("raw",)
+    runs: tuple[RunName, ...] = ()
+    status: tuple[Literal["raw", "ready", "quarantined"], ...] = ("raw",)
     where: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
     order_by: tuple[str, ...] = ("created_at", "id")
-    limit: int | None = Field(default=None, ge=1)
+    limit: int | None = Field(default=None, ge=1, le=10_000_000, strict=True)
+    timeout_s: float = Field(default=60.0, gt=0, le=86_400, allow_inf_nan=False)
 
     @field_validator("order_by")
     @classmethod
     def _known_columns(cls, value: tuple[str, ...], info) -> tuple[str, ...]:
-        allowed = set().union(*SOURCE_COLUMNS.values())
-        unknown = [column for column in value if column.removeprefix("-") not in allowed]
+        unknown = [column for column in value if column.removeprefix("-") not in ORDERABLE]
         if unknown:
             raise ValueError(f"unknown column {unknown[0]!r}; order by one of "
-                             f"{', '.join(sorted(allowed))} (prefix - for descending)")
+                             f"{', '.join(sorted(ORDERABLE))} (prefix - for descending)")
+        return value
+
+    @field_validator("status")
+    @classmethod
+    def _some_status(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("name at least one status to read (raw, ready or quarantined)")
+        return value
+
+    @field_validator("where")
+    @classmethod
+    def _one_expression(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                check_expression(value, "one boolean expression")
+            except UserSQLError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
 
@@ -81,11 +98,13 @@ class Output(Part):
     status: Literal["ready", "raw", "held"] = "ready"
     priority_from: str | None = None
     dropped: Literal["quarantined", "retired"] = "quarantined"
+    partial_groups: Literal["quarantine", "keep"] = "quarantine"
+    unselected: Literal["keep", "retired"] = "keep"
     mapped: Literal["update", "augment"] = "update"
 
 
 class PipelineSpec(Part):
-    name: str
+    name: RunName
     description: str = ""
     source: Source = Source()
     text_key: str = "response_text"
@@ -96,6 +115,16 @@ class PipelineSpec(Part):
     mode: Literal["once", "stream"] = "once"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, value: str | None) -> str | None:
+        from croniter import croniter
+
+        if value is not None and not croniter.is_valid(value):
+            raise ValueError(f"{value!r} is not a cron expression (five fields, e.g. "
+                             "'*/10 * * * *' for every ten minutes)")
+        return value
 
     @field_validator("process")
     @classmethod
@@ -118,18 +147,11 @@ class PipelineSpec(Part):
 
 def load_pipeline(path: Path | str) -> PipelineSpec:
     """Read and validate a pipeline file; errors name the file, key and line."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: pipeline file not found") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw, lines = read_yaml(path, "pipeline")
+    raw = raw if raw is not None else {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping (source, process, ...)")
-    return parse_pipeline({"name": path.stem, **raw}, source=str(path), lines=key_lines(node))
+    return parse_pipeline({"name": Path(path).stem, **raw}, source=str(path), lines=lines)
 
 
 def parse_pipeline(raw: dict, *, source: str = "<pipeline>",
@@ -137,41 +159,4 @@ def parse_pipeline(raw: dict, *, source: str = "<pipeline>",
     try:
         return PipelineSpec.model_validate(raw)
     except ValidationError as exc:
-        messages = [f"{source}: invalid pipeline"]
-        for err in exc.errors():
-            loc = tuple(err["loc"])
-            key = ".".join(str(part) for part in loc) or "(top level)"
-            line = _line_of(loc, lines or {})
-            message = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                message = "unknown key" + suggest_key(PipelineSpec, loc)
-            messages.append(f"  {key}{f' (line {line})' if line else ''}: {message}")
-        raise ConfigError("\n".join(messages)) from None
-
-
-def key_lines(node) -> dict[tuple, int]:
-    """Line number (1-based) of every key and list item in a composed YAML document."""
-    lines: dict[tuple, int] = {}
-
-    def walk(current, path: tuple) -> None:
-        if isinstance(current, yaml.MappingNode):
-            for key, value in current.value:
-                lines[path + (key.value,)] = key.start_mark.line + 1
-                walk(value, path + (key.value,))
-        elif isinstance(current, yaml.SequenceNode):
-            for index, item in enumerate(current.value):
-                lines[path + (index,)] = item.start_mark.line + 1
-                walk(item, path + (index,))
-
-    if node is not None:
-        walk(node, ())
-    return lines
-
-
-def _line_of(loc: tuple, lines: dict[tuple, int]) -> int | None:
-    """The line of the deepest part of loc that the file has (pydantic adds type names)."""
-    loc = tuple("validate" if part == "validate_" else part for part in loc)
-    for end in range(len(loc), 0, -1):
-        if loc[:end] in lines:
-            return lines[loc[:end]]
-    return None
+        raise ConfigError(describe_errors(exc, source, PipelineSpec, lines)) from None

@@ -1,8 +1,21 @@
-"""The experience store: the hub every other part of Reservoir meets in."""
+"""The experience store: the hub every other part of Reservoir meets in.
 
-from reservoir.store.records import Experience
-from reservoir.store.sampler import Lease, LeasedExperience
-from reservoir.store.store import AsyncStore, Store
-from reservoir.store.writer import WriteResult
+Names are imported on first use, so a quick command that needs only `store.inspect` does not
+pay for NumPy and SQLAlchemy."""
 
-__all__ = ["AsyncStore", "Experience", "Lease", "LeasedExperience", "Store", "WriteResult"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "AsyncStore": "reservoir.store.store", "Store": "reservoir.store.store",
+    "Experience": "reservoir.store.records", "Lease": "reservoir.store.sampler",
+    "LeasedExperience": "reservoir.store.sampler", "WriteResult": "reservoir.store.writer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'reservoir.store' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

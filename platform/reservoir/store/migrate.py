@@ -9,10 +9,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 import reservoir.migrations
-from reservoir.errors import SchemaOutOfDate
+from reservoir.errors import SchemaOutOfDate, StoreError
+from reservoir.store.urls import redact
 
 
 def alembic_config() -> Config:
@@ -35,7 +36,11 @@ def upgrade(engine: Engine, target: str = "head") -> None:
 
 
 def downgrade(engine: Engine, target: str) -> None:
+    """Downgrade; at base the database holds nothing of Reservoir's (no alembic_version)."""
     _run(engine, command.downgrade, target)
+    if current_revision(engine) is None:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE IF EXISTS alembic_version"))
 
 
 def _run(engine: Engine, action, target: str) -> None:
@@ -55,8 +60,8 @@ class SchemaState:
         return self.current == self.head
 
 
-def ensure_schema(engine: Engine) -> str | None:
-    """Upgrade an empty database; refuse one at an older revision.
+def ensure_schema(engine: Engine, *, create: bool = True) -> str | None:
+    """Upgrade an empty database (with `create`, else refuse it); refuse an older revision.
 
     Returns the revision an empty database was upgraded to, or None when nothing was done.
     """
@@ -64,6 +69,10 @@ def ensure_schema(engine: Engine) -> str | None:
     if state.up_to_date:
         return None
     if state.current is None:
+        if not create:
+            raise StoreError(f"{redact(str(engine.url.render_as_string(hide_password=False)))} "
+                             "has no Reservoir schema: `reservoir db upgrade` creates it; "
+                             "nothing was changed")
         upgrade(engine)
         return state.head
     raise SchemaOutOfDate(

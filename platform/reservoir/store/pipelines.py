@@ -18,14 +18,9 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID
 
 from reservoir.store.ledger import finite
 from reservoir.store.runs import add_inserted
+from reservoir.store.urls import scrub
 from reservoir.store.schema import (experiences, operator_events, pipeline_runs, reviews, runs, tasks,
                                     validations)
-
-# Columns a pipeline reads: token ids and logprobs stay in the store.
-EXPERIENCE_FIELDS = ("id", "run_id", "task_id", "group_id", "policy_version", "prompt_text",
-                     "response_text", "reward", "reward_components", "metadata", "status",
-                     "priority", "times_sampled", "response_len", "created_at")
-
 
 @dataclass
 class Changes:
@@ -44,7 +39,7 @@ def start_run(conn: Connection, *, pipeline: str, spec: dict, spec_hash: str,
               source_file: str | None, run_ids: list[int], trigger: str,
               schedule_id: int | None = None) -> int:
     return conn.execute(insert(pipeline_runs).values(
-        pipeline=pipeline, spec=spec, spec_hash=spec_hash, source_file=source_file,
+        pipeline=pipeline, spec=scrub(spec), spec_hash=spec_hash, source_file=source_file,
         run_ids=run_ids, trigger=trigger, schedule_id=schedule_id)
         .returning(pipeline_runs.c.id)).scalar_one()
 
@@ -57,26 +52,6 @@ def finish_run(conn: Connection, run_id: int, *, status: str, duration_s: float,
         status=status, duration_s=duration_s, rows_in=rows_in, rows_out=rows_out,
         rows_dropped=rows_dropped, operators=operators or [], error=error,
         finished_at=func.now()))
-
-
-def select_rows(conn: Connection, table: str, *, run_ids: Sequence[int],
-                statuses: Sequence[str], where: str | None, params: dict[str, Any],
-                order_by: Sequence[str], limit: int | None) -> list[dict[str, Any]]:
-    """The source rows, read in a read-only transaction: the engineer's `where` is SQL text,
-    and every value it uses is a bound parameter."""
-    source, fields = experiences, EXPERIENCE_FIELDS
-    stmt = select(*[source.c[name] for name in fields])
-    if run_ids:
-        stmt = stmt.where(source.c.run_id.in_(list(run_ids)))
-    if statuses:
-        stmt = stmt.where(source.c.status.in_(list(statuses)))
-    if where:
-        stmt = stmt.where(text(f"({where})").bindparams(**params))
-    order = [source.c[name.removeprefix("-")].desc() if name.startswith("-")
-             else source.c[name] for name in order_by if name.removeprefix("-") in source.c]
-    stmt = stmt.order_by(*order).limit(limit)
-    conn.execute(text("SET TRANSACTION READ ONLY"))
-    return [dict(row) for row in conn.execute(stmt).mappings()]
 
 
 def has_rows(conn: Connection, run_ids: Sequence[int], statuses: Sequence[str]) -> bool:
@@ -156,10 +131,12 @@ def _update_experiences(conn: Connection, changes: Changes) -> None:
 
 
 INSERT_CHILDREN = text("""
-INSERT INTO experiences (run_id, task_id, group_id, policy_version, prompt_text, response_text,
-    prompt_ids, response_ids, logprobs, action_mask, reward, reward_components, metadata,
-    status, priority, parent_id)
-SELECT p.run_id, p.task_id, v.group_id, p.policy_version, p.prompt_text, v.response_text,
+INSERT INTO experiences (run_id, task_id, group_id, group_row, policy_version, prompt_text,
+    response_text, prompt_ids, response_ids, logprobs, action_mask, reward, reward_components,
+    metadata, status, priority, parent_id)
+SELECT p.run_id, p.task_id, v.group_id,
+    row_number() OVER (PARTITION BY v.group_id ORDER BY v.parent) - 1,
+    p.policy_version, p.prompt_text, v.response_text,
     p.prompt_ids, coalesce(v.response_ids, p.response_ids),
     CASE WHEN v.response_ids IS NULL THEN p.logprobs END,
     coalesce(v.action_mask, p.action_mask), v.reward, v.reward_components::jsonb,

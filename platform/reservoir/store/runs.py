@@ -9,20 +9,30 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.errors import StoreError
 from reservoir.store.schema import policy_versions, runs
+from reservoir.store.urls import scrub
+
+
+def insert_run(conn: Connection, name: str, *, group_size: int | None = None,
+               model: str | None = None, config: dict[str, Any] | None = None) -> int | None:
+    """Insert a run and return its id; None if a run of that name exists (a concurrent insert
+    of the same name waits for the first to commit, then gets None). Passwords in URLs inside
+    the config are removed: the reader can read runs.config."""
+    stmt = (pg_insert(runs).values(name=name, group_size=group_size, model=model,
+                                   config=scrub(config or {}))
+            .on_conflict_do_nothing(index_elements=["name"]).returning(runs.c.id))
+    return conn.execute(stmt).scalar()
 
 
 def create_run(conn: Connection, name: str, *, group_size: int | None = None,
                model: str | None = None, config: dict[str, Any] | None = None,
                exist_ok: bool = False) -> int:
     """Insert a run and return its id; with exist_ok, return the id of an existing one."""
-    stmt = pg_insert(runs).values(name=name, group_size=group_size, model=model,
-                                  config=config or {})
+    run_id = insert_run(conn, name, group_size=group_size, model=model, config=config)
+    if run_id is not None:
+        return run_id
     if exist_ok:
-        stmt = stmt.on_conflict_do_nothing(index_elements=["name"])
-    run_id = conn.execute(stmt.returning(runs.c.id)).scalar()
-    if run_id is None and exist_ok:
         return run_id_of(conn, name)
-    return run_id
+    raise StoreError(f"run {name!r} already exists: choose another name (its rows stay)")
 
 
 def run_id_of(conn: Connection, name: str) -> int:

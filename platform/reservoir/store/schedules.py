@@ -1,4 +1,9 @@
-"""Queries on schedules: cron-scheduled pipelines, and the lock that runs each one once."""
+"""Queries on schedules: cron-scheduled pipelines, and the row lock that runs each one once.
+
+The lock is the schedule's own row (FOR NO KEY UPDATE SKIP LOCKED, so the pipeline runs it
+starts may still reference it), held by the scheduler running it until it has advanced the next
+due time. Only a login that may update `schedules` can take it, so the reader (which may take
+any advisory lock) cannot hold a schedule back."""
 
 from __future__ import annotations
 
@@ -8,9 +13,6 @@ from typing import Any
 from sqlalchemy import Connection, delete, func, insert, select, update
 
 from reservoir.store.schema import schedules
-
-SCHEDULE_LOCK = 7_146_002  # advisory lock class: (SCHEDULE_LOCK, schedule id)
-
 
 def add(conn: Connection, *, name: str, pipeline_file: str, cron: str,
         next_run_at: datetime) -> int:
@@ -34,19 +36,14 @@ def due(conn: Connection) -> list[dict[str, Any]]:
     return [dict(row) for row in conn.execute(stmt).mappings()]
 
 
-def still_due(conn: Connection, schedule_id: int) -> dict[str, Any] | None:
-    row = conn.execute(select(schedules).where(schedules.c.id == schedule_id,
-                                               schedules.c.next_run_at <= func.now())).mappings()
-    return next(iter(row), None)
-
-
-def try_lock(conn: Connection, schedule_id: int) -> bool:
-    """A session lock on one schedule: only the scheduler holding it runs the pipeline."""
-    return conn.execute(select(func.pg_try_advisory_lock(SCHEDULE_LOCK, schedule_id))).scalar()
-
-
-def unlock(conn: Connection, schedule_id: int) -> None:
-    conn.execute(select(func.pg_advisory_unlock(SCHEDULE_LOCK, schedule_id)))
+def lock_if_due(conn: Connection, schedule_id: int) -> dict[str, Any] | None:
+    """Lock the schedule's row if it is still due and no other scheduler holds it; the row, or
+    None. The lock lasts until the caller's transaction ends."""
+    row = conn.execute(select(schedules)
+                       .where(schedules.c.id == schedule_id,
+                              schedules.c.next_run_at <= func.now())
+                       .with_for_update(skip_locked=True, key_share=True)).mappings().first()
+    return dict(row) if row is not None else None
 
 
 def advance(conn: Connection, schedule_id: int, *, next_run_at: datetime, missed: int) -> None:

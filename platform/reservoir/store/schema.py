@@ -20,6 +20,7 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     Table,
     Text,
     UniqueConstraint,
@@ -32,8 +33,9 @@ metadata = MetaData()
 
 RUN_STATUSES = ("created", "running", "stopped", "finished", "failed")
 EXPERIENCE_STATUSES = ("raw", "ready", "leased", "consumed", "quarantined", "retired", "held")
-PIPELINE_STATUSES = ("running", "succeeded", "failed", "dry_run")
-EVENT_KINDS = ("dropped", "changed", "added", "scored", "quarantined", "retired", "held")
+PIPELINE_STATUSES = ("running", "succeeded", "failed", "dry_run", "abandoned")
+EVENT_KINDS = ("dropped", "changed", "added", "scored", "quarantined", "retired", "held",
+               "unselected")
 REVIEW_STATUSES = ("pending", "labelled")
 
 
@@ -52,6 +54,7 @@ runs = Table(
     Column("group_size", Integer),
     Column("rows_inserted", BigInteger, nullable=False, server_default="0"),
     Column("rows_sampled", BigInteger, nullable=False, server_default="0"),
+    Column("progress", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     _now(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     CheckConstraint(f"status IN {RUN_STATUSES}", name="runs_status_valid"),
@@ -99,6 +102,7 @@ experiences = Table(
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="SET NULL")),
     Column("group_id", UUID(as_uuid=True), nullable=False),
+    Column("group_row", SmallInteger, nullable=False),
     Column("policy_version", Integer, nullable=False),
     Column("prompt_text", Text, nullable=False),
     Column("response_text", Text, nullable=False),
@@ -107,6 +111,7 @@ experiences = Table(
     Column("logprobs", LargeBinary),
     Column("action_mask", LargeBinary),
     Column("reward", Float, nullable=False),
+    Column("shaped_reward", Float),
     Column("reward_components", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("metadata", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("status", Text, nullable=False, server_default="ready"),
@@ -122,6 +127,7 @@ experiences = Table(
     CheckConstraint(
         "(status = 'leased') = (lease_token IS NOT NULL)", name="experiences_lease_iff_leased"
     ),
+    CheckConstraint("group_row >= 0", name="experiences_group_row_valid"),
     Index("experiences_ready", "run_id", "created_at", "id", postgresql_where=text("status = 'ready'")),
     Index(
         "experiences_ready_priority",
@@ -131,7 +137,7 @@ experiences = Table(
         postgresql_where=text("status = 'ready'"),
     ),
     Index("experiences_leased", "leased_until", postgresql_where=text("status = 'leased'")),
-    Index("experiences_group", "group_id", "id"),
+    Index("experiences_group_row", "group_id", "group_row", unique=True),
     Index("experiences_run_status", "run_id", "status"),
     Index("experiences_task", "task_id"),
     Index("experiences_lease_token", "lease_token", postgresql_where=text("lease_token IS NOT NULL")),
@@ -183,10 +189,13 @@ pipeline_runs = Table(
     Column("duration_s", Float),
     Column("error", Text),
     Column("schedule_id", BigInteger, ForeignKey("schedules.id", ondelete="SET NULL")),
+    Column("backend_pid", Integer),
+    Column("backend_started_at", DateTime(timezone=True)),
     Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("finished_at", DateTime(timezone=True)),
     CheckConstraint(f"status IN {PIPELINE_STATUSES}", name="pipeline_runs_status_valid"),
     Index("pipeline_runs_pipeline", "pipeline", "started_at"),
+    Index("pipeline_runs_running", "id", postgresql_where=text("status = 'running'")),
 )
 
 operator_events = Table(

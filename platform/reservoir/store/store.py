@@ -20,7 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from reservoir.config import ReservoirConfig, SamplerConfig
 from reservoir.store import engine as engines
-from reservoir.store import ledger, migrate, runs, sampler, writer
+from reservoir.store import ledger, runs, sampler, writer
+from reservoir.store import migrate as migrations
+from reservoir.store.urls import redact
 from reservoir.store.loop import LoopThread
 from reservoir.store.records import Experience
 from reservoir.store.sampler import Lease
@@ -112,15 +114,22 @@ class Store:
         self.aio = AsyncStore(url, flow or SamplerConfig(), self.engine)
 
     @classmethod
-    def open(cls, config: ReservoirConfig | None = None, *, quiet: bool = False) -> "Store":
-        """Connect (starting the embedded server if no URL is set); upgrade an empty database."""
+    def open(cls, config: ReservoirConfig | None = None, *, quiet: bool = False,
+             migrate: bool = False) -> "Store":
+        """Connect (starting the embedded server if no URL is set). An empty database gets
+        Reservoir's schema only with `migrate` (commands meant to change the schema); without,
+        it is an error that changes nothing. An old schema is always an error."""
         config = config or ReservoirConfig()
         store = cls(engines.resolve_url(config.store), config.sampler)
-        upgraded_to = migrate.ensure_schema(store.engine)
+        try:
+            upgraded_to = migrations.ensure_schema(store.engine, create=migrate)
+        except BaseException:
+            store.close()
+            raise
         if upgraded_to and not quiet:
             Console(stderr=True).print(
-                f"[green]Empty database at {engines.redact(store.url)}: upgraded its schema to "
-                f"revision {upgraded_to}.[/]")
+                f"Empty database at {redact(store.url)}: upgraded its schema to revision "
+                f"{upgraded_to}.", style="green", markup=False, highlight=False)
         return store
 
     @property

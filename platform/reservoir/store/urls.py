@@ -11,6 +11,8 @@ import re
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+DB_URL_ENV = "RESERVOIR_DB_URL"
+DEFAULT_DATA_DIR = ".reservoir/pg"  # the embedded server's data, under the working directory
 READER_ROLE = "reservoir_reader"
 READER_URL_ENV = "RESERVOIR_READER_URL"
 READER_PASSWORD_ENV = "RESERVOIR_READER_PASSWORD"

@@ -284,6 +284,8 @@ async def transaction(conn, *, write: bool = False, timeout_s: float = DEFAULT_T
     tx = conn.transaction(readonly=not write, isolation=isolation)
     await tx.start()
     try:
+        if write:  # explicit: a login whose default is read-only (the reader) meets its privileges
+            await conn.execute("SET TRANSACTION READ WRITE")
         await conn.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout_s * 1000))}")
         yield
     except BaseException:
@@ -296,16 +298,19 @@ async def transaction(conn, *, write: bool = False, timeout_s: float = DEFAULT_T
 
 
 async def fetch(conn, sql: str, values: dict[str, Any] | None = None, *, write: bool = False,
-                first: int = 1, fixed: Sequence[Any] = ()) -> Result:
-    """Prepare and run one statement inside `transaction`; `fixed` are trusted values bound
-    to $1.. before the user's :names (numbered from `first`)."""
+                template: str = "{sql}", fixed: Sequence[Any] = ()) -> Result:
+    """Prepare and run one statement inside `transaction`. With a `template` (trusted SQL
+    whose `{sql}` the user's text fills), `fixed` are the values of the template's own
+    $1..$k, and the user's :names are numbered after them."""
+    first = len(fixed) + 1
     bound = bind_names(sql, first=first)
+    kind = first_keyword(sql) if template == "{sql}" else template.split(None, 1)[0].lower()
+    sql = template.format(sql=bound.sql)
     values = values or {}
     missing = [name for name in bound.names if name not in values]
     if missing:
         raise UserSQLError(f"the statement uses :{missing[0]} but no value was given "
                            f"(-p {missing[0]}=VALUE); nothing was run")
-    kind = first_keyword(sql)
     if not kind:
         raise UserSQLError("the statement is empty; nothing was run")
     if kind == "copy":
@@ -316,7 +321,7 @@ async def fetch(conn, sql: str, values: dict[str, Any] | None = None, *, write: 
     import asyncpg
 
     try:
-        statement = await conn.prepare(bound.sql)
+        statement = await conn.prepare(sql)
         parameters = statement.get_parameters()[len(fixed):]
         args = [convert(name, values[name], parameter.name, parameter.kind)
                 for name, parameter in zip(bound.names, parameters)]

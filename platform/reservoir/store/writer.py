@@ -25,7 +25,7 @@ from reservoir.store.flow import RateLimit
 from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
                                      shape_group, values_ok)
 
-COPY_COLUMNS = ("run_id", "group_id", "status") + ROW_COLUMNS
+COPY_COLUMNS = ("run_id", "group_id", "group_row", "status") + ROW_COLUMNS
 
 
 @dataclass
@@ -65,7 +65,8 @@ async def write_groups(
     for group in checked:
         rows = group.shaped.encode()
         rows_per_run[group.run_id] += len(rows)
-        records.extend((group.run_id, group.group_id, status) + row for row in rows)
+        records.extend((group.run_id, group.group_id, index, status) + row
+                       for index, row in enumerate(rows))
         result.group_ids.append(group.group_id)
     result.groups, result.rows = len(checked), len(records)
     if not records:

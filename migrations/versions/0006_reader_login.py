@@ -1,0 +1,81 @@
+"""reader: reservoir_reader becomes a login role that can read the views and write nothing
+
+Revision ID: 0006
+Revises: 0005
+Create Date: 2026-11-30
+
+The reader connects as itself (never a role switch on a privileged session). It already has
+SELECT on the analytics views and nothing on the base tables; this revision takes away what
+every role gets through PUBLIC and could write with: temporary tables in this database,
+creating objects in the public schema (PostgreSQL 14 still grants it), and creating large
+objects (lo_create, lo_creat, lo_from_bytea, which even a READ ONLY transaction allows). The
+role's defaults bound its sessions: read-only transactions, a statement timeout, an idle-in-
+transaction timeout, a connection limit.
+
+Stored run configs lose the passwords in their URLs (the reader can read runs.config).
+
+Note: CREATE DATABASE ... TEMPLATE does not copy a database's own privileges (TEMP), only
+its contents; a copy needs `REVOKE TEMP ON DATABASE <copy> FROM PUBLIC` again.
+"""
+
+import json
+import re
+
+from alembic import op
+import sqlalchemy as sa
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+LARGE_OBJECT_CREATORS = "lo_create(oid), lo_creat(integer), lo_from_bytea(oid, bytea)"
+PASSWORD_IN_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):[^@\s/]*@")
+
+UPGRADE = f"""
+ALTER ROLE reservoir_reader WITH LOGIN NOINHERIT CONNECTION LIMIT 32;
+ALTER ROLE reservoir_reader SET default_transaction_read_only = on;
+ALTER ROLE reservoir_reader SET statement_timeout = '30s';
+ALTER ROLE reservoir_reader SET idle_in_transaction_session_timeout = '60s';
+DO $$ BEGIN
+  EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+END $$;
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} FROM PUBLIC;
+"""
+
+DOWNGRADE = f"""
+GRANT EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} TO PUBLIC;
+DO $$ BEGIN
+  EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO PUBLIC', current_database());
+  IF current_setting('server_version_num')::int < 150000 THEN
+    GRANT CREATE ON SCHEMA public TO PUBLIC;
+  END IF;
+END $$;
+ALTER ROLE reservoir_reader RESET ALL;
+ALTER ROLE reservoir_reader WITH NOLOGIN CONNECTION LIMIT -1;
+"""
+
+
+def _scrub(value):
+    if isinstance(value, str):
+        return PASSWORD_IN_URL.sub(r"\1@", value)
+    if isinstance(value, dict):
+        return {key: _scrub(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrub(item) for item in value]
+    return value
+
+
+def upgrade() -> None:
+    op.execute(UPGRADE)
+    conn = op.get_bind()
+    for run_id, config in conn.execute(sa.text("SELECT id, config FROM runs")).all():
+        clean = _scrub(config)
+        if clean != config:
+            conn.execute(sa.text("UPDATE runs SET config = CAST(:config AS jsonb) WHERE id = :id"),
+                         {"config": json.dumps(clean), "id": run_id})
+
+
+def downgrade() -> None:
+    op.execute(DOWNGRADE)
