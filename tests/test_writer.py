@@ -93,6 +93,29 @@ INVALID = [
     # Regression guard (was a bug): policy_version has no upper bound; 2**31 passes validation and asyncpg then fails the
     # COPY on the integer column with a driver error that names no group, row or field.
     case("version-over-int32", every_row(policy_version=2**31), "policy_version", 0, "2147483648"),
+    # Issue 8, found on main: accepted, or refused with a raw Python error instead of the writer's.
+    case("logprob-overflows-float32", row(2, logprobs=[-1e300] + [-0.1] * 5), "logprobs", 2,
+         "[-1e+300"),
+    case("logprob-positive", row(2, logprobs=[0.5] + [-0.1] * 5), "logprobs", 2, "[0.5"),
+    case("response-int", row(2, response_text=123), "response_text", 2, "= 123"),
+    case("response-bytes", row(2, response_text=b"abc"), "response_text", 2, "b'abc'"),
+    case("response-none", row(2, response_text=None), "response_text", 2, "= None"),
+    case("response-lone-surrogate", row(2, response_text="a\ud800"), "response_text", 2,
+         "\\ud800"),
+    case("prompt-int", row(2, prompt_text=5), "prompt_text", 2, "= 5"),
+    case("task-id-text", every_row(task_id="x"), "task_id", 0, "'x'"),
+    case("task-id-bool", every_row(task_id=True), "task_id", 0, "True"),
+    case("group-id-text", every_row(group_id="abc"), "group_id", 0, "'abc'"),
+    case("run-int", every_row(run=5), "run", 0, "= 5"),
+    case("reward-bool", row(2, reward=True), "reward", 2, "True"),
+    case("reward-text", row(2, reward="1"), "reward", 2, "'1'"),
+    case("components-list", row(2, reward_components=[1.0]), "reward_components", 2, "[1.0]"),
+    case("components-key-int", row(2, reward_components={1: 1.0}), "reward_components", 2,
+         "{1: 1.0}"),
+    case("metadata-list", row(2, metadata=[1]), "metadata", 2, "[1]"),
+    case("parent-id-text", row(2, parent_id="p"), "parent_id", 2, "'p'"),
+    case("row-not-an-experience", lambda g: g[:2] + [{"run": "r"}] + g[3:], "group", 2,
+         "{'run': 'r'}"),
 ]
 
 
@@ -110,6 +133,39 @@ def test_invalid_group_rejects_the_whole_batch(seeded, mutate, field, row_index,
     if row_index is not None:
         assert f"group 1 row {row_index}" in message
     assert counts(seeded) == before
+
+
+def test_a_flat_list_of_experiences_is_not_a_batch_of_groups(seeded):
+    before = counts(seeded)
+    with pytest.raises(ExperienceInvalid, match="group 0: a group is a list of Experience rows"):
+        seeded.write_groups(make_group("r", seed=1))
+    assert counts(seeded) == before
+
+
+@pytest.mark.parametrize("status", ["consumed", "leased", "quarantined", "bogus"])
+def test_the_writer_writes_only_raw_or_ready(seeded, status):
+    before = counts(seeded)
+    with pytest.raises(StoreError, match=f"status {status!r}: the writer writes raw or ready"):
+        seeded.write_groups([make_group("r", seed=1)], status=status)
+    assert counts(seeded) == before
+
+
+def test_a_group_id_is_written_once(seeded):
+    import uuid
+
+    group_id = uuid.uuid4()
+    seeded.write_groups([make_group("r", seed=1, group_id=group_id)])
+    before = counts(seeded)
+    with pytest.raises(ExperienceInvalid, match=f"group 0: group_id {group_id} already exists"):
+        seeded.write_groups([make_group("r", seed=2, group_id=group_id)])
+    twin = uuid.uuid4()
+    with pytest.raises(ExperienceInvalid, match=f"group 1: group_id {twin} appears twice"):
+        seeded.write_groups([make_group("r", seed=3, group_id=twin),
+                             make_group("r", seed=4, group_id=twin)])
+    result = seeded.write_groups([make_group("r", seed=5),
+                                  make_group("r", seed=6, group_id=group_id)], on_invalid="skip")
+    assert (result.groups, [e.field for e in result.rejected]) == (1, ["group_id"])
+    assert counts(seeded) == (before[0] + 4, before[1] + 4)
 
 
 def test_numpy_float32_reward_is_accepted(seeded):

@@ -20,6 +20,7 @@ from reservoir.errors import ExperienceInvalid
 from reservoir.store import codec
 
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -109,15 +110,39 @@ class _RowChecker:
         if array.shape != (n_tokens,):
             self.fail(field_name, values,
                       f"needs one value per response token ({n_tokens}), got shape {array.shape}")
+        if kind == "f" and array.dtype != codec.LOGPROB:  # checked as stored: -1e300 is -inf
+            with np.errstate(over="ignore"):
+                array = array.astype(codec.LOGPROB)
         return array
 
     def json_text(self, field_name: str, value: Any) -> str:
-        if not value and isinstance(value, dict):
+        if type(value) is not dict:
+            self.fail(field_name, value, "must be a dict (a JSON object)")
+        if not value:
             return "{}"
         try:
             return _JSON.encode(value)
         except (TypeError, ValueError) as exc:
             self.fail(field_name, value, f"must be JSON without NaN or infinity ({exc})")
+
+    def text(self, field_name: str, value: Any) -> str:
+        """A str PostgreSQL can hold: no NUL, no lone surrogate (it has no UTF-8 form)."""
+        if type(value) is not str:
+            self.fail(field_name, value, f"must be text (str), not {type(value).__name__}")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                self.fail(field_name, value, f"is not valid Unicode text ({exc.reason})")
+        if "\x00" in value:
+            self.fail(field_name, value, "PostgreSQL text cannot hold NUL (\\x00) characters; "
+                      "replace them (the token ids keep the exact output)")
+        return value
+
+    def optional_id(self, field_name: str, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                  or not 1 <= value <= INT64_MAX):
+            self.fail(field_name, value, "must be a positive integer id or None")
 
     def values(self, row: _Shaped) -> None:
         """The value checks, row by row: run only to find the row a group check rejected."""
@@ -126,7 +151,9 @@ class _RowChecker:
             if array.size and (array.min() < 0 or array.max() > INT32_MAX):
                 self.fail(name, getattr(self.exp, name), "token ids must lie in [0, 2**31)")
         if row.logprobs is not None and not np.isfinite(row.logprobs).all():
-            self.fail("logprobs", self.exp.logprobs, "logprobs must be finite")
+            self.fail("logprobs", self.exp.logprobs, "logprobs must be finite as float32")
+        if row.logprobs is not None and row.logprobs.size and row.logprobs.max() > 0:
+            self.fail("logprobs", self.exp.logprobs, "logprobs are log-probabilities: <= 0")
         if row.action_mask is not None and ((row.action_mask != 0) & (row.action_mask != 1)).any():
             self.fail("action_mask", self.exp.action_mask, "mask values must be 0 or 1")
 
@@ -138,22 +165,25 @@ def _finite_number(value: Any) -> bool:
 
 
 def _shape_row(exp: Experience, check: _RowChecker) -> _Shaped:
-    if not exp.response_text or not exp.response_text.strip():
+    check.text("prompt_text", exp.prompt_text)
+    if not check.text("response_text", exp.response_text).strip():
         check.fail("response_text", exp.response_text, "the response must not be empty")
-    for name in ("prompt_text", "response_text"):
-        if "\x00" in getattr(exp, name):
-            check.fail(name, getattr(exp, name), "PostgreSQL text cannot hold NUL (\\x00) "
-                       "characters; replace them (the token ids keep the exact output)")
+    check.optional_id("parent_id", exp.parent_id)
     prompt_ids = check.tokens("prompt_ids", exp.prompt_ids, non_empty=False)
     response_ids = check.tokens("response_ids", exp.response_ids, non_empty=True)
     logprobs = check.per_token("logprobs", exp.logprobs, response_ids.size, "f")
     mask = check.per_token("action_mask", exp.action_mask, response_ids.size, "i")
     if not _finite_number(exp.reward):
         check.fail("reward", exp.reward, "reward must be a finite number")
+    if type(exp.reward_components) is not dict:
+        check.fail("reward_components", exp.reward_components, "must be a dict of name: number")
     for name, value in exp.reward_components.items():
+        if type(name) is not str:
+            check.fail("reward_components", exp.reward_components, "names must be text")
         if not _finite_number(value):
             check.fail(f"reward_components.{name}", value, "components must be finite numbers")
-    if not isinstance(exp.policy_version, numbers.Integral) or not 0 <= exp.policy_version <= INT32_MAX:
+    if (isinstance(exp.policy_version, bool) or not isinstance(exp.policy_version, numbers.Integral)
+            or not 0 <= exp.policy_version <= INT32_MAX):
         check.fail("policy_version", exp.policy_version, "must be an integer in [0, 2**31)")
     return _Shaped(prompt_ids, response_ids, logprobs, mask,
                    _components_json(exp.reward_components),
@@ -178,9 +208,12 @@ def values_ok(rows: list[_Shaped]) -> bool:
     if tokens.size and (tokens.min() < 0 or (tokens.dtype != np.int32 and tokens.max() > INT32_MAX)):
         return False
     logprobs = [row.logprobs for row in rows if row.logprobs is not None]
-    # a sum is finite only if every term is (a float64 sum of log-probabilities cannot overflow)
-    if logprobs and not math.isfinite(float(np.concatenate(logprobs).sum(dtype=np.float64))):
-        return False
+    if logprobs:
+        joined = np.concatenate(logprobs)
+        # a float64 sum of float32 values is finite only if every value is
+        if not math.isfinite(float(joined.sum(dtype=np.float64))) or (
+                joined.size and joined.max() > 0):
+            return False
     masks = [row.action_mask for row in rows if row.action_mask is not None]
     if masks:
         mask = np.concatenate(masks)
@@ -223,12 +256,32 @@ def shape_group(group: Sequence[Experience], group_index: int) -> ShapedGroup:
 
 
 def check_group_shape(group: Sequence[Experience], group_index: int) -> None:
-    """All rows of a group share run, task, policy version and group id."""
+    """A group is a non-empty list of Experience rows sharing run, task, policy version and
+    group id, each of the right type."""
+    if isinstance(group, (Experience, str, bytes, dict)) or not isinstance(group, Sequence):
+        raise ExperienceInvalid(
+            f"group {group_index}: a group is a list of Experience rows (got "
+            f"{type(group).__name__}); write_groups takes a list of groups; nothing of this "
+            "group was written", group_index=group_index, row_index=None, field="group")
     if not group:
         raise ExperienceInvalid(f"group {group_index} is empty: a group needs at least one row; "
                                 "nothing of this group was written",
                                 group_index=group_index, row_index=None, field="group")
+    for row_index, exp in enumerate(group):
+        if not isinstance(exp, Experience):
+            shown = repr(exp) if len(repr(exp)) <= 80 else repr(exp)[:77] + "..."
+            raise ExperienceInvalid(
+                f"group {group_index} row {row_index}: {shown} is not an Experience; nothing "
+                "of this group was written", group_index=group_index, row_index=row_index,
+                field="group")
     first = group[0]
+    check = _RowChecker(group_index, 0, first)
+    if type(first.run) is not str:
+        check.fail("run", first.run, "must be the run's name (str)")
+    check.optional_id("task_id", first.task_id)
+    if first.group_id is not None and not isinstance(first.group_id, uuid.UUID):
+        check.fail("group_id", first.group_id, "must be a uuid.UUID or None (the writer "
+                   "assigns one)")
     shared = (first.run, first.task_id, first.group_id, first.policy_version)
     for row_index, exp in enumerate(group):
         if (exp.run, exp.task_id, exp.group_id, exp.policy_version) == shared:

@@ -1,8 +1,12 @@
 """Writing groups of experiences: validated first, then COPY in one transaction.
 
-Rules checked before anything is written: token, logprob and mask lengths agree; the reward and
-its components are finite; the response is not empty; the run exists; a group has the size its
-run declares. A bad row raises ExperienceInvalid naming group, row, field and value.
+Rules checked before anything is written: every field has its type; token, logprob and mask
+lengths agree; the reward and its components are finite, logprobs finite as stored (float32)
+and <= 0; texts are valid Unicode without NUL and the response is not empty; the run exists; a
+group has the size its run declares; a group id is new (a group is written once: the unique
+index on (group_id, group_row) holds that against concurrent writers too). A bad row raises
+ExperienceInvalid naming group, row, field and value. The writer writes `raw` or `ready` rows
+only: every later status belongs to the sampler, the ledger and pipelines.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import asyncpg
+from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -24,8 +29,10 @@ from reservoir.store import runs
 from reservoir.store.flow import RateLimit
 from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
                                      shape_group, values_ok)
+from reservoir.store.schema import experiences
 
 COPY_COLUMNS = ("run_id", "group_id", "group_row", "status") + ROW_COLUMNS
+WRITABLE = ("raw", "ready")
 
 
 @dataclass
@@ -57,9 +64,20 @@ async def write_groups(
     finite logprobs, 0/1 masks) in one pass over the whole batch. A bad group in "raise" mode
     raises ExperienceInvalid and nothing is written.
     """
+    if status not in WRITABLE:
+        raise StoreError(f"status {status!r}: the writer writes raw or ready rows (the sampler, "
+                         "the ledger and pipelines set every later status); nothing was written")
     result = WriteResult()
-    run_info = await _lookup_runs(engine, sorted({group[0].run for group in groups if group}))
-    checked = _checked_groups(groups, run_info, on_invalid, result)
+    if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)):
+        raise StoreError(f"write_groups takes a list of groups, got {type(groups).__name__}")
+    names = {group[0].run for group in groups
+             if isinstance(group, Sequence) and group and isinstance(group[0], Experience)
+             and isinstance(group[0].run, str)}
+    given = {group[0].group_id for group in groups
+             if isinstance(group, Sequence) and group and isinstance(group[0], Experience)
+             and isinstance(group[0].group_id, uuid.UUID)}
+    run_info, existing = await _lookup(engine, sorted(names), sorted(given))
+    checked = _checked_groups(groups, run_info, existing, on_invalid, result)
     rows_per_run: Counter = Counter()
     records = []
     for group in checked:
@@ -79,18 +97,25 @@ async def write_groups(
             raw = await conn.get_raw_connection()
             await raw.driver_connection.copy_records_to_table(
                 "experiences", columns=COPY_COLUMNS, records=records)
+    except asyncpg.UniqueViolationError as exc:
+        raise StoreError(f"a group id of this batch was written by another writer meanwhile "
+                         f"({exc.constraint_name}); nothing of this batch was written") from None
     except (asyncpg.PostgresError, DBAPIError) as exc:
         raise StoreError(f"writing {result.rows} rows in {result.groups} groups failed in the "
                          f"database; nothing of this batch was written: {exc}") from exc
     return result
 
 
-def _checked_groups(groups, run_info, on_invalid, result: WriteResult) -> list[_CheckedGroup]:
+def _checked_groups(groups, run_info, existing: set[uuid.UUID], on_invalid,
+                    result: WriteResult) -> list[_CheckedGroup]:
     """Groups that pass every rule; the others raise or land in result.rejected."""
     checked: list[_CheckedGroup] = []
+    seen: set[uuid.UUID] = set()
     for index, group in enumerate(groups):
         try:
-            checked.append(_check_group(group, index, run_info))
+            one = _check_group(group, index, run_info)
+            _check_new(one.group_id, index, existing, seen)
+            checked.append(one)
         except ExperienceInvalid as exc:
             if on_invalid == "raise":
                 raise
@@ -110,12 +135,34 @@ def _checked_groups(groups, run_info, on_invalid, result: WriteResult) -> list[_
     return passing
 
 
-async def _lookup_runs(engine: AsyncEngine, names: list[str]) -> dict[str, tuple[int, int | None]]:
-    if not names:
-        return {}
+def _check_new(group_id: uuid.UUID, index: int, existing: set[uuid.UUID],
+               seen: set[uuid.UUID]) -> None:
+    if group_id in existing:
+        raise ExperienceInvalid(f"group {index}: group_id {group_id} already exists in the store "
+                                "(a group is written once); nothing of this group was written",
+                                group_index=index, row_index=None, field="group_id")
+    if group_id in seen:
+        raise ExperienceInvalid(f"group {index}: group_id {group_id} appears twice in this "
+                                "batch; nothing of this group was written",
+                                group_index=index, row_index=None, field="group_id")
+    seen.add(group_id)
+
+
+async def _lookup(engine: AsyncEngine, names: list[str], group_ids: list[uuid.UUID]
+                  ) -> tuple[dict[str, tuple[int, int | None]], set[uuid.UUID]]:
+    """The runs by name (id, group size), and which of the given group ids already exist."""
+    if not names and not group_ids:
+        return {}, set()
     async with engine.connect() as conn:
-        rows = (await conn.execute(runs.lookup(names))).all()
-    return {row.name: (row.id, row.group_size) for row in rows}
+        rows = (await conn.execute(runs.lookup(names))).all() if names else []
+        taken = (await conn.execute(existing_groups(group_ids))).scalars().all() if group_ids else []
+    return {row.name: (row.id, row.group_size) for row in rows}, set(taken)
+
+
+def existing_groups(group_ids: list[uuid.UUID]):
+    """Statement: which of these group ids have rows (the unique index answers it)."""
+    return (select(experiences.c.group_id).distinct()
+            .where(experiences.c.group_id.in_(group_ids), experiences.c.group_row == 0))
 
 
 def _check_group(group: Sequence[Experience], index: int,
