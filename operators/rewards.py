@@ -5,7 +5,7 @@ from __future__ import annotations
 from data_juicer.ops.base_op import OPERATORS, Filter, Mapper
 from data_juicer.utils.constant import Fields
 
-from reservoir.operators.common import dumps, finite, loads
+from reservoir.operators.common import finite, loads
 
 
 @OPERATORS.register_module("reward_range_filter")
@@ -40,9 +40,10 @@ class RewardRangeFilter(Filter):
 
 @OPERATORS.register_module("reward_shaping_mapper")
 class RewardShapingMapper(Mapper):
-    """reward := scale * reward + weight * value, where value is a reward component (e.g.
-    `format`) or a numeric field (e.g. `response_len`); the original reward is kept in
-    metadata.reward_original and the change is an operator event."""
+    """shaped_reward := scale * r + weight * value, where r is the row's shaped reward so far
+    (its reward when none) and value a reward component (e.g. `format`) or a numeric field
+    (e.g. `response_len`). `reward` stays as the reward function wrote it; the trainer trains
+    on shaped_reward where it is set."""
 
     _batched_op = True
 
@@ -60,17 +61,18 @@ class RewardShapingMapper(Mapper):
                          f"component or field {self.source!r}")
 
     def process_batched(self, samples):
-        for index, reward in enumerate(samples["reward"]):
-            shaped = self.scale * reward + self.weight * self._value(samples, index)
-            samples["reward"][index] = shaped
-            samples["metadata"][index] = _with_original(samples["metadata"][index], reward)
+        shaped = list(samples.get("shaped_reward") or [None] * len(samples["reward"]))
+        for index, base in enumerate(_current(samples)):
+            shaped[index] = self.scale * base + self.weight * self._value(samples, index)
+        samples["shaped_reward"] = shaped
         return samples
 
 
 @OPERATORS.register_module("length_penalty_mapper")
 class LengthPenaltyMapper(Mapper):
     """Subtract `penalty` per response token beyond `max_len` (DAPO's overlong shaping, linear),
-    at most `max_penalty`; the original reward goes to metadata.reward_original."""
+    at most `max_penalty`, from the shaped reward (the reward when none): writes shaped_reward,
+    never reward."""
 
     _batched_op = True
 
@@ -80,15 +82,17 @@ class LengthPenaltyMapper(Mapper):
         self.max_len, self.penalty, self.max_penalty = max_len, penalty, max_penalty
 
     def process_batched(self, samples):
-        for index, (reward, length) in enumerate(zip(samples["reward"], samples["response_len"])):
+        shaped = list(samples.get("shaped_reward") or [None] * len(samples["reward"]))
+        for index, (base, length) in enumerate(zip(_current(samples), samples["response_len"])):
             over = max(0, int(length or 0) - self.max_len)
             if over:
-                samples["reward"][index] = reward - min(self.max_penalty, over * self.penalty)
-                samples["metadata"][index] = _with_original(samples["metadata"][index], reward)
+                shaped[index] = base - min(self.max_penalty, over * self.penalty)
+        samples["shaped_reward"] = shaped
         return samples
 
 
-def _with_original(metadata, reward: float) -> str:
-    values = loads(metadata)
-    values.setdefault("reward_original", reward)
-    return dumps(values)
+def _current(samples) -> list[float]:
+    """Each row's reward as shaped so far: shaped_reward where set, else reward."""
+    shaped = samples.get("shaped_reward") or [None] * len(samples["reward"])
+    return [float(s) if finite(s) is not None else float(r)
+            for s, r in zip(shaped, samples["reward"])]

@@ -46,16 +46,20 @@ def test_group_variance_filter_drops_groups_with_equal_rewards():
     assert [r["id"] for r in apply(rows, "group_variance_filter")] == [3, 4]
 
 
-def test_reward_shaping_adds_a_component_and_keeps_the_original():
+def test_reward_shaping_writes_shaped_reward_and_keeps_the_reward():
     shaped = apply([row(1, 1.0), row(2, 0.0)], "reward_shaping_mapper", source="format",
                    weight=0.2, scale=2.0)
-    assert [r["reward"] for r in shaped] == pytest.approx([2.1, 0.1])
-    assert [json.loads(r["metadata"])["reward_original"] for r in shaped] == [1.0, 0.0]
+    assert [r["shaped_reward"] for r in shaped] == pytest.approx([2.1, 0.1])
+    assert [r["reward"] for r in shaped] == [1.0, 0.0]  # issue 8: main overwrote it
 
 
-def test_length_penalty_beyond_max_len():
+def test_length_penalty_beyond_max_len_shapes_on_top_of_earlier_shaping():
     out = apply([row(1, 1.0), row(5, 1.0)], "length_penalty_mapper", max_len=20, penalty=0.01)
-    assert [r["reward"] for r in out] == pytest.approx([1.0, 0.7])  # 50 tokens: 30 over
+    assert [r["shaped_reward"] for r in out] == [None, pytest.approx(0.7)]  # 50 tokens: 30 over
+    assert [r["reward"] for r in out] == [1.0, 1.0]
+    again = apply([row(1, 1.0, shaped_reward=0.5), row(5, 1.0, shaped_reward=0.5)],
+                  "length_penalty_mapper", max_len=20, penalty=0.01)
+    assert [r["shaped_reward"] for r in again] == pytest.approx([0.5, 0.2])
 
 
 def test_advantage_priority_is_the_absolute_group_advantage():

@@ -52,23 +52,41 @@ def snapshot(store):
 
 
 def test_mixed_rows_end_exactly_ready_or_quarantined_with_reasons(store):
+    """A group that loses a row is quarantined whole (issue 8: main left three groups with 3
+    of their 4 rows ready, and the trainer normalised advantages over what was left)."""
     ids = mixed_rows(store)
     before = snapshot(store)
     result = run_pipeline(store, parse_pipeline(CLEAN))
-    quarantined = {6, 10, 15} | set(ids["flat"])
     status = dict(rows(store, "SELECT id, status FROM experiences"))
-    assert {i for i, s in status.items() if s == "quarantined"} == quarantined
-    assert {i for i, s in status.items() if s == "ready"} == set(range(1, 21)) - quarantined
+    assert {i for i, s in status.items() if s == "ready"} == set(ids["good"])
+    assert {i for i, s in status.items() if s == "quarantined"} == set(range(5, 21))
     reasons = dict(rows(store, "SELECT experience_id, operator FROM operator_events "
                                "WHERE kind = 'dropped'"))
     assert reasons == {6: "reward_range_filter", 10: "text_length_filter",
                        15: "document_deduplicator", **{i: "group_variance_filter"
                                                        for i in ids["flat"]}}
+    partners = rows(store, "SELECT experience_id, reason FROM operator_events "
+                           "WHERE operator = 'whole_groups' ORDER BY experience_id")
+    assert [i for i, _ in partners] == [5, 7, 8, 9, 11, 12, 13, 14, 16]
+    assert all(f"experience {lost} of its group was dropped" in reason
+               for (i, reason), lost in zip(partners, [6] * 3 + [10] * 3 + [15] * 3))
     assert all(reason for (reason,) in rows(store, "SELECT reason FROM operator_events"))
     assert snapshot(store) == before  # statuses changed, nothing else
     assert rows(store, "SELECT status, rows_in, rows_out, rows_dropped FROM pipeline_runs") == [
         ("succeeded", 20, 13, 7)]
     assert [op["out"] for op in result.operators] == [19, 18, 17, 13]
+
+
+def test_partial_groups_keep_leaves_the_rest_ready_and_the_lease_says_so(store):
+    ids = mixed_rows(store)
+    keep = parse_pipeline({**CLEAN, "output": {"partial_groups": "keep"}})
+    run_pipeline(store, keep)
+    status = dict(rows(store, "SELECT id, status FROM experiences"))
+    ready = {i for i, s in status.items() if s == "ready"}
+    assert ready == set(range(1, 21)) - {6, 10, 15} - set(ids["flat"])
+    lease = store.lease("p", groups=4)
+    partial = lease.partial_groups()
+    assert sorted(partial.values()) == [(3, 4)] * 3 and len(lease.rows) == 13
 
 
 def test_dry_run_changes_nothing_but_reports(store):
@@ -102,12 +120,14 @@ def test_validation_quarantines_failing_rows_and_stores_results(store):
             {"expect_group_size": {"n": 4}}],
         "on_failure": "quarantine"}})
     run_pipeline(store, spec)
-    assert rows(store, "SELECT id FROM experiences WHERE status = 'quarantined'") == [(10,)]
+    quarantined = "SELECT id FROM experiences WHERE status = 'quarantined' ORDER BY id"
+    assert rows(store, quarantined) == [(9,), (10,), (11,), (12,)]  # row 10 and its group
     found = rows(store, "SELECT expectation, success, unexpected_count FROM validations "
                         "ORDER BY id")
     assert found == [("expect_column_value_lengths_to_be_between", False, 1),
                      ("expect_group_size", True, 0)]
-    (reason,), = rows(store, "SELECT reason FROM operator_events WHERE kind = 'quarantined'")
+    (reason,), = rows(store, "SELECT reason FROM operator_events WHERE kind = 'quarantined' "
+                             "AND operator <> 'whole_groups'")
     assert "expect_column_value_lengths_to_be_between" in reason
 
 
@@ -187,14 +207,25 @@ def test_sigkill_mid_run_changes_nothing_and_a_rerun_completes_once(tmp_path, st
     assert rows(store, "SELECT status FROM pipeline_runs") == [("running",)]
     assert rows(store, "SELECT DISTINCT status FROM experiences") == [("raw",)]
     assert rows(store, "SELECT count(*) FROM operator_events") == [(0,)]
+    deadline = time.monotonic() + 10  # the server notices the dead client's session closing
+    while time.monotonic() < deadline and _history_status(store) != "abandoned":
+        time.sleep(0.1)
+    assert _history_status(store) == "abandoned"  # issue 8: main showed `running` forever
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert rows(store, "SELECT status, count(*) FROM experiences GROUP BY 1 ORDER BY 1") == [
         ("quarantined", 1600), ("ready", 1600)]
     assert rows(store, "SELECT count(*), count(DISTINCT experience_id) FROM operator_events"
                 ) == [(1600, 1600)]  # one decision per dropped row, made once
-    assert rows(store, "SELECT status FROM pipeline_runs ORDER BY id") == [
-        ("running",), ("succeeded",)]  # the killed run is left as it was: running, no end
+    assert rows(store, "SELECT status, error LIKE '%its process ended%' FROM pipeline_runs "
+                       "ORDER BY id") == [("abandoned", True), ("succeeded", None)]
+
+
+def _history_status(store) -> str:
+    from reservoir.store.pipelines import history
+
+    with store.engine.connect() as conn:
+        return history(conn, None, 1)[0]["status"]
 
 
 def test_held_rows_wait_for_a_verdict(store):
@@ -257,7 +288,8 @@ def test_custom_sql_and_compound_unique_expectations_and_scored_priorities(store
                         "ORDER BY id")
     assert found == [("expect_compound_columns_to_be_unique", True, 0),
                      ("unexpected_rows_expectation", False, 1)]
-    assert rows(store, "SELECT id FROM experiences WHERE status = 'quarantined'") == [(10,)]
+    assert rows(store, "SELECT id FROM experiences WHERE status = 'quarantined' ORDER BY id") == [
+        (9,), (10,), (11,), (12,)]
     scored = rows(store, "SELECT count(*) FROM operator_events WHERE kind = 'scored'")
     assert scored[0][0] > 0
     assert rows(store, "SELECT count(*) FROM experiences WHERE priority > 0") == scored
@@ -288,6 +320,12 @@ def test_augment_keeps_the_row_and_inserts_a_child_with_a_parent_link(tmp_path, 
         assert child.response_text.startswith("answer ") and child.status == "ready"
         assert tokenizer.decode(codec.decode(child.response_ids, codec.TOKEN)) == child.response_text
         assert child.logprobs is None and child.metadata["augmented_from"] == child.parent_id
+    # the rewrite is stored on the children, so it is logged there, with the text before/after
     assert rows(store, "SELECT kind, count(*) FROM operator_events GROUP BY 1 ORDER BY 1") == [
-        ("added", 4), ("changed", 4)]
+        ("added", 4)]
+    stats = rows(store, "SELECT stats FROM operator_events ORDER BY experience_id")
+    [change] = stats[0][0]["changes"]
+    assert change["operator"] == "replace_content_mapper"
+    assert change["fields"]["response_text"] == {"before": parents[0].response_text,
+                                                 "after": children[0].response_text}
     assert rows(store, "SELECT rows_inserted FROM runs") == [(8,)]  # flow control counts them

@@ -20,6 +20,9 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from reservoir.errors import ConfigError
+from reservoir.pipeline import trace
+
+STALE_COLUMNS = ("__dj__stats__", trace.HASH, trace.MINHASH, trace.SIMHASH)
 
 # Arguments every Data-Juicer operator takes (data_juicer.ops.base_op.OP.__init__).
 COMMON_ARGS = {
@@ -31,29 +34,85 @@ COMMON_ARGS = {
 }
 
 
+@dataclass(frozen=True)
+class PluginFailure:
+    """An operator package (entry point group `data_juicer.ops`) whose module failed to
+    import: Data-Juicer logs a warning and goes on, so its operators are simply missing."""
+
+    entry_point: str
+    module: str
+    distribution: str | None
+    error: str
+
+    def describe(self) -> str:
+        package = f" (package {self.distribution})" if self.distribution else ""
+        return f"operator plugin {self.module}{package} failed to import: {self.error}"
+
+
+PLUGIN_FAILURES: list[PluginFailure] = []
+
+
 def registry() -> dict[str, type]:
-    """Every operator Data-Juicer knows, ours (reservoir.operators) included.
+    """Every operator Data-Juicer knows, ours (reservoir.operators) and plugins' included.
 
     Importing Data-Juicer configures logging for the whole process (a loguru sink on stderr at
-    INFO, and the standard root logger at INFO): both are put back as they were."""
+    INFO, and the standard root logger at INFO): both are put back as they were. A plugin
+    that fails to import is recorded in PLUGIN_FAILURES with its exception."""
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    import sys
+
     from loguru import logger
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    import data_juicer  # noqa: F401  (configures loguru; the plugins load with .ops below)
+
     logger.remove()
-    logger.disable("data_juicer")
+    first = "data_juicer.ops" not in sys.modules
+    sink = logger.add(_capture_plugin_failure, level="WARNING",
+                      filter=lambda r: r["function"] == "load_op_plugins") if first else None
     import datasets
     from data_juicer.ops import OPERATORS
 
     import reservoir.operators  # noqa: F401  (registers ours)
 
+    logger.remove(sink) if sink is not None else None
     logger.remove()
+    logger.disable("data_juicer")
     root.handlers[:], root.level = handlers, level
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
-
     return OPERATORS.modules
+
+
+def _capture_plugin_failure(message) -> None:
+    """A loguru sink called inside Data-Juicer's `except` around each plugin's import: the
+    exception and the entry point (a local of that frame) are still at hand."""
+    import sys
+
+    _, exc, tb = sys.exc_info()
+    entry_point = tb.tb_frame.f_locals.get("ep") if tb is not None else None
+    if exc is None or entry_point is None:
+        return
+    PLUGIN_FAILURES.append(PluginFailure(
+        entry_point.name, entry_point.module,
+        entry_point.dist.name if entry_point.dist else None, f"{type(exc).__name__}: {exc}"))
+
+
+def origin(cls: type) -> str:
+    """The installed package an operator class comes from (e.g. py-data-juicer, reservoir-rft,
+    a third party's), from the top-level module it is defined in."""
+    from importlib.metadata import packages_distributions
+
+    top = cls.__module__.split(".")[0]
+    packages = _distributions(packages_distributions).get(top) or [top]
+    return packages[0]
+
+
+def _distributions(read, _cache: dict = {}):  # noqa: B006 (a cache kept between calls)
+    if "map" not in _cache:
+        _cache["map"] = read()
+    return _cache["map"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +123,10 @@ class Step:
 
     @property
     def kind(self) -> str:
-        from data_juicer.ops.base_op import Deduplicator, Filter, Mapper
+        from data_juicer.ops.base_op import Deduplicator, Filter, Mapper, Selector
 
-        for base, kind in ((Filter, "filter"), (Deduplicator, "deduplicator"), (Mapper, "mapper")):
+        for base, kind in ((Filter, "filter"), (Deduplicator, "deduplicator"),
+                           (Selector, "selector"), (Mapper, "mapper")):
             if isinstance(self.op, base):
                 return kind
         return "other"
@@ -100,7 +160,8 @@ def check_args(index: int, name: str, args: dict[str, Any], known: dict[str, typ
     if name not in known:
         close = difflib.get_close_matches(name, list(known), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else "; `reservoir pipeline ops` lists them"
-        raise ConfigError(f"{where}: unknown operator{hint}")
+        broken = "".join(f"; note: {failure.describe()}" for failure in PLUGIN_FAILURES)
+        raise ConfigError(f"{where}: unknown operator{hint}{broken}")
     if args.get("skip_op_error"):
         raise ConfigError(f"{where}: skip_op_error is not allowed: Data-Juicer would replace a "
                           "batch where one row fails with an empty batch and report no error")
@@ -153,11 +214,12 @@ def dataset(rows: list[dict[str, Any]]):
 
 
 def run_step(step: Step, data):
-    """(output, rows with this filter's stats or None): filters compute stats once, then keep.
+    """(output, detail): a filter's detail is its input with stats (computed once, then kept);
+    a deduplicator's {dropped id: kept id}; a selector's {id: field, value, rank}; else None.
 
-    Stats and dedup hashes are removed before each operator: Data-Juicer caches them by name,
-    so a second filter or deduplicator on another field would reuse the first one's."""
-    stale = [c for c in ("__dj__stats__", "__dj__hash") if c in data.column_names]
+    Stats and hashes are removed before each operator: Data-Juicer caches them by name, so a
+    second filter or deduplicator on another field would reuse the first one's."""
+    stale = [c for c in data.column_names if c in STALE_COLUMNS]
     data = data.remove_columns(stale) if stale else data
     if step.kind == "filter":  # an empty stats column added at once (Data-Juicer adds it row
         data = data.add_column("__dj__stats__", [{}] * len(data))  # by row, ~0.5 s a filter)
@@ -165,4 +227,8 @@ def run_step(step: Step, data):
         kept = with_stats.filter(step.op.process, num_proc=step.op.runtime_np(),
                                  batch_size=step.op.batch_size)
         return kept, with_stats
+    if step.kind == "deduplicator":
+        return trace.deduplicate(step.op, data)
+    if step.kind == "selector":
+        return step.op.run(data), trace.selector_ranks(step.op, data)
     return step.op.run(data), None

@@ -8,7 +8,7 @@ from collections import Counter
 from rich.console import Console, Group
 from rich.table import Table
 
-from reservoir.pipeline.bridge import parameters, registry
+from reservoir.pipeline.bridge import PLUGIN_FAILURES, origin, parameters, registry
 from reservoir.pipeline.runner import PipelineResult
 from reservoir.pipeline.spec import PipelineSpec
 
@@ -44,18 +44,22 @@ def show_result(console: Console, spec: PipelineSpec, result: PipelineResult) ->
 
 
 def operators_table(match: str | None = None) -> Table:
-    table = Table(title="operators (reservoir.* are Reservoir's; the rest are Data-Juicer's)")
+    """Every operator with its kind, the package it comes from and its arguments; a plugin that
+    failed to import is named in the caption with its error."""
+    known = registry()
+    table = Table(title="operators (from: the installed package that defines each)")
     for column in ("operator", "kind", "from", "arguments (default)"):
         table.add_column(column)
-    for name, cls in sorted(registry().items()):
+    if PLUGIN_FAILURES:
+        table.caption = "; ".join(failure.describe() for failure in PLUGIN_FAILURES)
+    for name, cls in sorted(known.items()):
         if match and match not in name:
             continue
-        origin = "reservoir" if cls.__module__.startswith("reservoir.") else "data-juicer"
         kind = next((base.__name__.lower() for base in cls.__mro__
                      if base.__name__ in ("Filter", "Mapper", "Deduplicator", "Selector",
                                           "Grouper", "Aggregator", "Pipeline")), "op")
         args = ", ".join(f"{param}={_default(p)}" for param, p in parameters(cls).items())
-        table.add_row(name, kind, origin, args)
+        table.add_row(name, kind, origin(cls), args)
     return table
 
 

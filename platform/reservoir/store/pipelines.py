@@ -9,11 +9,12 @@ all. The pipeline_runs row is written in transactions of its own, so a failed ru
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, bindparam, func, insert,
-                        select, text, update)
+from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, and_, bindparam, case,
+                        func, insert, literal_column, select, text, update)
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 
 from reservoir.store.ledger import finite
@@ -33,15 +34,39 @@ class Changes:
     task_values: dict[int, dict[str, Any]] = field(default_factory=dict)
     held: dict[int, str] = field(default_factory=dict)                # id -> review reason
     children: list[dict[str, Any]] = field(default_factory=list)      # augmented copies
+    broken_groups: dict[uuid.UUID, str] = field(default_factory=dict)  # group -> why partners go
 
 
 def start_run(conn: Connection, *, pipeline: str, spec: dict, spec_hash: str,
               source_file: str | None, run_ids: list[int], trigger: str,
               schedule_id: int | None = None) -> int:
+    """A `running` row naming this connection's server session: the caller keeps it open for
+    the whole run, so a run whose session is gone is known to be abandoned."""
+    backend = select(func.pg_backend_pid()).scalar_subquery()
+    started = (select(literal_column("backend_start")).select_from(text("pg_stat_activity"))
+               .where(literal_column("pid") == func.pg_backend_pid()).scalar_subquery())
     return conn.execute(insert(pipeline_runs).values(
         pipeline=pipeline, spec=scrub(spec), spec_hash=spec_hash, source_file=source_file,
-        run_ids=run_ids, trigger=trigger, schedule_id=schedule_id)
-        .returning(pipeline_runs.c.id)).scalar_one()
+        run_ids=run_ids, trigger=trigger, schedule_id=schedule_id, backend_pid=backend,
+        backend_started_at=started).returning(pipeline_runs.c.id)).scalar_one()
+
+
+# A running row is alive while its server session is: same pid, same start (the start is NULL
+# when the session belongs to a role whose sessions this login may not inspect: pid decides).
+SESSION_GONE = text("""NOT EXISTS (
+    SELECT 1 FROM pg_stat_activity a
+    WHERE a.pid = pipeline_runs.backend_pid
+      AND (a.backend_start IS NULL OR a.backend_start = pipeline_runs.backend_started_at))""")
+
+
+def mark_abandoned(conn: Connection) -> int:
+    """Running rows whose process died (their session is gone) become `abandoned`."""
+    return conn.execute(
+        update(pipeline_runs)
+        .where(pipeline_runs.c.status == "running", SESSION_GONE)
+        .values(status="abandoned", finished_at=func.now(),
+                error="its process ended before the run finished (the server session it held "
+                      "is gone); nothing of it was written")).rowcount
 
 
 def finish_run(conn: Connection, run_id: int, *, status: str, duration_s: float,
@@ -72,6 +97,7 @@ def lock_unchanged(conn: Connection, ids: list[int], statuses: dict[int, str]) -
 def apply(conn: Connection, pipeline_run_id: int, changes: Changes) -> None:
     """Write a pipeline's decisions (the caller's transaction makes them one)."""
     _update_experiences(conn, changes)
+    _quarantine_partners(conn, changes)
     _insert_children(conn, changes)
     if changes.task_values:
         for task_id, values in changes.task_values.items():
@@ -93,21 +119,21 @@ UPDATE_ROWS = text("""
 UPDATE experiences e SET
     status = coalesce(v.status, e.status),
     priority = coalesce(v.priority, e.priority),
-    reward = coalesce(v.reward, e.reward),
+    shaped_reward = coalesce(v.shaped_reward, e.shaped_reward),
     response_text = coalesce(v.response_text, e.response_text),
     reward_components = coalesce(v.reward_components::jsonb, e.reward_components),
     metadata = coalesce(v.metadata::jsonb, e.metadata),
     response_ids = coalesce(v.response_ids, e.response_ids),
     action_mask = CASE WHEN v.response_ids IS NULL THEN e.action_mask ELSE v.action_mask END,
     logprobs = CASE WHEN v.response_ids IS NULL THEN e.logprobs END
-FROM unnest(:ids, :status, :priority, :reward, :response_text, :reward_components, :metadata,
-            :response_ids, :action_mask)
-    AS v (id, status, priority, reward, response_text, reward_components, metadata,
+FROM unnest(:ids, :status, :priority, :shaped_reward, :response_text, :reward_components,
+            :metadata, :response_ids, :action_mask)
+    AS v (id, status, priority, shaped_reward, response_text, reward_components, metadata,
           response_ids, action_mask)
 WHERE e.id = v.id
 """).bindparams(
     bindparam("ids", type_=ARRAY(BigInteger)), bindparam("status", type_=ARRAY(Text)),
-    bindparam("priority", type_=ARRAY(Float)), bindparam("reward", type_=ARRAY(Float)),
+    bindparam("priority", type_=ARRAY(Float)), bindparam("shaped_reward", type_=ARRAY(Float)),
     bindparam("response_text", type_=ARRAY(Text)),
     bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)),
     bindparam("response_ids", type_=ARRAY(LargeBinary)),
@@ -125,25 +151,26 @@ def _update_experiences(conn: Connection, changes: Changes) -> None:
     conn.execute(UPDATE_ROWS, {
         "ids": ids, "status": [changes.statuses.get(i) for i in ids],
         **{name: [v.get(name) for v in values]
-           for name in ("priority", "reward", "response_text", "response_ids", "action_mask")},
+           for name in ("priority", "shaped_reward", "response_text", "response_ids",
+                        "action_mask")},
         "reward_components": [as_json(v.get("reward_components")) for v in values],
         "metadata": [as_json(v.get("metadata")) for v in values]})
 
 
 INSERT_CHILDREN = text("""
 INSERT INTO experiences (run_id, task_id, group_id, group_row, policy_version, prompt_text,
-    response_text, prompt_ids, response_ids, logprobs, action_mask, reward, reward_components,
-    metadata, status, priority, parent_id)
+    response_text, prompt_ids, response_ids, logprobs, action_mask, reward, shaped_reward,
+    reward_components, metadata, status, priority, parent_id)
 SELECT p.run_id, p.task_id, v.group_id,
     row_number() OVER (PARTITION BY v.group_id ORDER BY v.parent) - 1,
     p.policy_version, p.prompt_text, v.response_text,
     p.prompt_ids, coalesce(v.response_ids, p.response_ids),
     CASE WHEN v.response_ids IS NULL THEN p.logprobs END,
-    coalesce(v.action_mask, p.action_mask), v.reward, v.reward_components::jsonb,
-    v.metadata::jsonb, v.status, v.priority, p.id
-FROM unnest(:parents, :group_ids, :response_text, :response_ids, :action_mask, :reward,
+    coalesce(v.action_mask, p.action_mask), p.reward, v.shaped_reward,
+    v.reward_components::jsonb, v.metadata::jsonb, v.status, v.priority, p.id
+FROM unnest(:parents, :group_ids, :response_text, :response_ids, :action_mask, :shaped_reward,
             :reward_components, :metadata, :status, :priority)
-    AS v (parent, group_id, response_text, response_ids, action_mask, reward,
+    AS v (parent, group_id, response_text, response_ids, action_mask, shaped_reward,
           reward_components, metadata, status, priority)
 JOIN experiences p ON p.id = v.parent
 RETURNING id, parent_id, run_id
@@ -151,9 +178,35 @@ RETURNING id, parent_id, run_id
     bindparam("parents", type_=ARRAY(BigInteger)), bindparam("group_ids", type_=ARRAY(UUID)),
     bindparam("response_text", type_=ARRAY(Text)),
     bindparam("response_ids", type_=ARRAY(LargeBinary)),
-    bindparam("action_mask", type_=ARRAY(LargeBinary)), bindparam("reward", type_=ARRAY(Float)),
+    bindparam("action_mask", type_=ARRAY(LargeBinary)),
+    bindparam("shaped_reward", type_=ARRAY(Float)),
     bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)),
     bindparam("status", type_=ARRAY(Text)), bindparam("priority", type_=ARRAY(Float)))
+
+
+QUARANTINE_PARTNERS = text("""
+UPDATE experiences e SET status = 'quarantined'
+FROM unnest(:groups, :reasons) AS g (group_id, reason)
+WHERE e.group_id = g.group_id AND e.status IN ('raw', 'ready') AND e.id <> ALL(:decided)
+RETURNING e.id, e.group_id, g.reason
+""").bindparams(bindparam("groups", type_=ARRAY(UUID)), bindparam("reasons", type_=ARRAY(Text)),
+                bindparam("decided", type_=ARRAY(BigInteger)))
+
+
+def _quarantine_partners(conn: Connection, changes: Changes) -> None:
+    """Rows of a broken group the pipeline did not read (another status, outside `where`)
+    that could still train: quarantined too, each with an event."""
+    if not changes.broken_groups:
+        return
+    groups = sorted(changes.broken_groups)
+    swept = conn.execute(QUARANTINE_PARTNERS, {
+        "groups": groups, "reasons": [changes.broken_groups[g] for g in groups],
+        "decided": sorted(changes.statuses)}).all()
+    for row_id, group_id, reason in swept:
+        changes.events.append({"experience_id": row_id, "operator": "whole_groups",
+                               "kind": "quarantined", "stats": {"group_id": str(group_id)},
+                               "reason": f"{reason}; groups train whole (output.partial_groups:"
+                                         " keep trains the rest)"})
 
 
 def _insert_children(conn: Connection, changes: Changes) -> None:
@@ -166,16 +219,18 @@ def _insert_children(conn: Connection, changes: Changes) -> None:
     added = conn.execute(INSERT_CHILDREN, {
         "parents": column("parent"), "group_ids": column("group_id"),
         "response_text": column("response_text"), "response_ids": column("response_ids"),
-        "action_mask": column("action_mask"), "reward": column("reward"),
+        "action_mask": column("action_mask"), "shaped_reward": column("shaped_reward"),
         "reward_components": [json.dumps(v) for v in column("reward_components")],
         "metadata": [json.dumps(v) for v in column("metadata")],
         "status": column("status"), "priority": column("priority")}).all()
     per_run: dict[int, int] = {}
+    rewrites = {child["parent"]: child.get("changes", []) for child in children}
     for child_id, parent_id, run_id in added:
         per_run[run_id] = per_run.get(run_id, 0) + 1
         changes.events.append({"experience_id": child_id, "operator": "output", "kind": "added",
                                "reason": f"augmented copy of experience {parent_id}",
-                               "stats": {"parent": parent_id}})
+                               "stats": {"parent": parent_id,
+                                         "changes": rewrites.get(parent_id, [])}})
     for run_id, count in per_run.items():
         conn.execute(add_inserted(run_id, count))
 
@@ -186,8 +241,11 @@ def run_models(conn: Connection, run_ids: Sequence[int]) -> dict[int, str | None
 
 
 def history(conn: Connection, pipeline: str | None, limit: int) -> list[dict[str, Any]]:
+    """Recent runs, newest first; a running row whose session is gone reads `abandoned`."""
+    status = case((and_(pipeline_runs.c.status == "running", SESSION_GONE), "abandoned"),
+                  else_=pipeline_runs.c.status).label("status")
     stmt = select(pipeline_runs.c.id, pipeline_runs.c.pipeline, pipeline_runs.c.trigger,
-                  pipeline_runs.c.status, pipeline_runs.c.rows_in, pipeline_runs.c.rows_out,
+                  status, pipeline_runs.c.rows_in, pipeline_runs.c.rows_out,
                   pipeline_runs.c.rows_dropped, pipeline_runs.c.duration_s,
                   pipeline_runs.c.started_at, pipeline_runs.c.error)
     if pipeline:

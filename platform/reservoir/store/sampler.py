@@ -29,7 +29,7 @@ from reservoir.store.flow import RateLimit
 from reservoir.store.schema import EXPERIENCE_STATUSES, experiences as e
 from reservoir.store.schema import runs as runs_table
 
-SETTLING = ("raw", "leased")  # a group with a row in these states is not complete yet
+SETTLING = ("raw", "leased", "held")  # a group with a row in these states is not complete yet
 # fifo / lifo order by insertion time, then id: only the partial index experiences_ready
 # (run_id, created_at, id) WHERE status = 'ready' serves that order, so the planner cannot pick
 # a primary-key scan that walks every consumed row ahead of the ready ones.
@@ -58,6 +58,13 @@ class LeasedExperience:
     response_bytes: bytes
     logprob_bytes: bytes | None
     mask_bytes: bytes | None
+    shaped_reward: float | None = None
+    group_rows: int | None = None  # rows its group has in the store, whatever their status
+
+    @property
+    def train_reward(self) -> float:
+        """The reward the trainer learns from: shaped where a pipeline shaped it."""
+        return self.reward if self.shaped_reward is None else self.shaped_reward
 
     @property
     def prompt_ids(self) -> np.ndarray:
@@ -97,14 +104,26 @@ class Lease:
             grouped.setdefault(row.group_id, []).append(row)
         return grouped
 
+    def partial_groups(self) -> dict[uuid.UUID, tuple[int, int]]:
+        """Groups this lease holds only part of: {group: (rows leased, rows in the store)}.
+        A pipeline with `partial_groups: keep` (or a rejected review) leaves such groups; the
+        trainer normalises over the rows it got and reports them in the step's metrics."""
+        return {group: (len(rows), rows[0].group_rows) for group, rows in self.groups().items()
+                if rows[0].group_rows is not None and len(rows) < rows[0].group_rows}
+
 
 class _NotYet(Exception):
     """Roll the lease transaction back and wait: the reason says why."""
 
 
+_mates = e.alias("mates")
+GROUP_ROWS = (select(func.count()).where(_mates.c.group_id == e.c.group_id)
+              .scalar_subquery().label("group_rows"))
 RETURNED = (e.c.id, e.c.run_id, e.c.task_id, e.c.group_id, e.c.policy_version, e.c.reward,
             e.c.reward_components.cast(Text).label("reward_components"), e.c.times_sampled,
-            e.c.prompt_ids, e.c.response_ids, e.c.logprobs, e.c.action_mask, e.c.leased_until)
+            e.c.prompt_ids, e.c.response_ids, e.c.logprobs, e.c.action_mask, e.c.shaped_reward,
+            GROUP_ROWS, e.c.leased_until)
+FIELDS = len(RETURNED) - 1  # what a LeasedExperience holds (all but leased_until)
 
 
 def status_in(column, statuses: Sequence[str]):
@@ -162,7 +181,8 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
     other = e.alias("other")
     leader = ~exists().where(
         other.c.group_id == e.c.group_id,
-        status_in(other.c.status, SETTLING) | and_(other.c.id < e.c.id, _eligible(other, flow)))
+        status_in(other.c.status, SETTLING)
+        | and_(other.c.group_row < e.c.group_row, _eligible(other, flow)))
     picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
               .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
     leased = (update(e).where(e.c.group_id == picked.c.group_id, _eligible(e, flow))
@@ -171,7 +191,7 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
 
 
 def _to_leased(row) -> LeasedExperience:
-    return LeasedExperience(*row[:12])
+    return LeasedExperience(*row[:FIELDS])
 
 
 def _back_status():
@@ -226,7 +246,7 @@ async def release_runs(engine: AsyncEngine, run_ids: Sequence[int]) -> int:
 async def fetch(engine: AsyncEngine, ids: Sequence[int]) -> list[LeasedExperience]:
     """Rows by id, in id order, as a lease carries them (for replaying a committed step)."""
     async with engine.connect() as conn:
-        result = await conn.execute(select(*RETURNED[:12]).where(e.c.id.in_(list(ids)))
+        result = await conn.execute(select(*RETURNED[:FIELDS]).where(e.c.id.in_(list(ids)))
                                     .order_by(e.c.id))
         return [_to_leased(row) for row in result]
 

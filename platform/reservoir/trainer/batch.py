@@ -51,7 +51,7 @@ def make_batch(rows: Sequence[LeasedExperience], pad_id: int) -> TrainBatch:
         if row.logprobs is not None:
             old[i, prompt - 1:prompt - 1 + response] = torch.from_numpy(row.logprobs.copy())
     return TrainBatch(input_ids, attention, mask, old,
-                      torch.tensor([r.reward for r in rows], dtype=torch.float32),
+                      torch.tensor([r.train_reward for r in rows], dtype=torch.float32),
                       torch.tensor([groups[r.group_id] for r in rows]))
 
 

@@ -187,8 +187,11 @@ class TrainerWorker:
             except BaseException:
                 self.store.release(lease)
                 raise
+            partial = lease.partial_groups()
+            metrics |= {"wait_s": waited, "partial_groups": len(partial),
+                        "partial_group_rows": sum(got for got, _ in partial.values())}
             self.store.commit_step(lease, step=step, policy_version=self.summary.version,
-                                   loss=metrics["loss"], metrics=metrics | {"wait_s": waited})
+                                   loss=metrics["loss"], metrics=metrics)
             self.summary.steps = step
             if step % trainer.sync_interval == 0:
                 self._publish(step)
