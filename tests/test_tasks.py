@@ -89,3 +89,34 @@ def test_cli_load_is_all_or_nothing(tmp_path, db_url):
     count = subprocess.run([script, "sql", "SELECT count(*) FROM tasks", "-f", "csv"], env=env,
                            capture_output=True, text=True, timeout=120)
     assert count.stdout.splitlines()[1] == "30"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('["What is 1 + 1?", "2"]', r"bad.jsonl line 2: a task is a JSON object \(got list\)"),
+    ('"just a prompt"', r"bad.jsonl line 2: a task is a JSON object \(got str\)"),
+    ('{"prompt": "a\\u0000b"}', r"bad.jsonl row 2: column 'prompt' .* NUL"),
+    ('{"prompt": "p", "answer": "\\u0000"}', r"bad.jsonl row 2: column 'answer' .* NUL"),
+    ('{"prompt": "p", "weight": Infinity}', r"bad.jsonl line 2: .*Infinity"),
+    ('{"prompt": "p", "weight": NaN}', r"bad.jsonl line 2: .*NaN"),
+    ('{"prompt": "p", "split": "validation"}', r"bad.jsonl row 2: column 'split' = 'validation'"),
+    ('{"prompt": "\\ud800"}', r"bad.jsonl row 2: column 'prompt' .* not valid Unicode"),
+    ('{"prompt": "p", "prompt": "q"}', r"bad.jsonl line 2: key 'prompt' appears twice"),
+    ('{"prompt": "p", "answer": {"a": 1}}', r"bad.jsonl row 2: column 'answer' .* text or a number"),
+    ('{"prompt": 5}', r"bad.jsonl row 2: column 'prompt' = 5"),
+    ('{"prompt": "p"', r"bad.jsonl line 2: not valid JSON"),
+])
+def test_bad_jsonl_lines_are_named_in_one_line(tmp_path, line, message):
+    """Issue 8: main raised TypeError while building the message, tracebacks for NUL and
+    Infinity, kept any split, and dropped a lone surrogate silently."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=message) as info:
+        read_task_file(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_nul_in_a_csv_cell_is_named(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_bytes(b"prompt,answer\nfine,1\nbad\x00cell,2\n")
+    with pytest.raises(ConfigError, match=r"bad.csv row 2: column 'prompt' .* NUL"):
+        read_task_file(path)

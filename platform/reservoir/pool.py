@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import threading
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
 
 from reservoir.config import ReservoirConfig
-from reservoir.errors import ReservoirError
+from reservoir.errors import ConfigError, ReservoirError
 from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.monitor import Monitor, live
@@ -35,8 +36,6 @@ def run(config: ReservoirConfig, *, resume: bool = False,
 
     console = console or Console()
     config = _prepared(config)
-    for index, path in enumerate(config.pipelines):
-        stream_spec(path, index)  # a bad pipeline fails before anything starts
     with Store.open(config, migrate=True) as store, _ray(config):
         ensure_run(store, config, resume=resume)
         trainer = _actor(TrainerWorker).remote(config, resume=resume,
@@ -114,8 +113,14 @@ def train(config: ReservoirConfig, *, resume: bool = False,
 
 
 def _prepared(config: ReservoirConfig) -> ReservoirConfig:
+    """Paths absolute, and every file the run will need checked before anything starts: the
+    model folder, the task file, each stream pipeline."""
     config = absolute(config)
     check_model(config)
+    if config.tasks.file is not None and not Path(config.tasks.file).is_file():
+        raise ConfigError(f"tasks.file: {config.tasks.file} is not a file")
+    for index, path in enumerate(config.pipelines):
+        stream_spec(path, index)
     return config
 
 

@@ -1,7 +1,10 @@
 """Tasks for explorers: read from JSONL / Parquet / CSV files, or generated for CPU examples.
 
-A task row has `prompt` (required), `answer` (the ground truth a reward function checks),
-optional `split` (train / test), `source`, and any other columns, which go to its `payload`.
+A task row has `prompt` (required, non-empty text), `answer` (the ground truth a reward
+function checks: text or a number), optional `split` (train or test), `source`, and any other
+columns, which go to its `payload` (JSON: finite numbers, text, lists, objects). Every cell is
+checked before anything is loaded: no NUL, no text without a UTF-8 form, no NaN or infinity,
+no key given twice; a bad one is named by file, row (or line) and column, in one line.
 """
 
 from __future__ import annotations
@@ -12,16 +15,10 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
-import pandas as pd
-
 from reservoir.errors import ConfigError
 
-READERS: dict[str, Callable[[Path], pd.DataFrame]] = {
-    ".jsonl": lambda path: pd.read_json(path, lines=True, dtype=False),
-    ".parquet": pd.read_parquet,
-    ".csv": lambda path: pd.read_csv(path, dtype=str, keep_default_na=False),
-}
 KNOWN = ("prompt", "answer", "split", "source")
+SPLITS = ("train", "test")
 
 
 def read_task_file(path: Path) -> list[dict[str, Any]]:
@@ -31,25 +28,118 @@ def read_task_file(path: Path) -> list[dict[str, Any]]:
     if reader is None:
         raise ConfigError(f"{path}: unknown task file type; use {', '.join(READERS)}")
     try:
-        frame = reader(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read tasks: {exc}") from None
-    if "prompt" not in frame.columns:
-        raise ConfigError(f"{path}: no 'prompt' column (columns: {', '.join(frame.columns)})")
-    return [_task_row(path, number, record)
-            for number, record in enumerate(frame.to_dict(orient="records"), start=1)]
+        records = reader(path)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read tasks: {' '.join(str(exc).split())}") from None
+    columns = list(dict.fromkeys(key for record in records for key in record))
+    if records and "prompt" not in columns:
+        raise ConfigError(f"{path}: no 'prompt' column (columns: {', '.join(columns)})")
+    return [_task_row(path, number, record) for number, record in enumerate(records, start=1)]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line, object_pairs_hook=_unique_keys,
+                                    parse_constant=_no_constant)
+            except _Refused as exc:
+                raise ConfigError(f"{path} line {number}: {exc}") from None
+            except ValueError as exc:
+                raise ConfigError(f"{path} line {number}: not valid JSON: {exc}") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{path} line {number}: a task is a JSON object (got "
+                                  f"{type(record).__name__})")
+            records.append(record)
+    return records
+
+
+class _Refused(ValueError):
+    """Valid JSON that a task file may not hold."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Refused(f"key {key!r} appears twice")
+        seen[key] = value
+    return seen
+
+
+def _no_constant(name: str):
+    raise _Refused(f"{name} is not a JSON number (write a finite number or null)")
+
+
+def _frame(read: Callable) -> Callable[[Path], list[dict[str, Any]]]:
+    return lambda path: read(path).to_dict(orient="records")
+
+
+def _parquet(path: Path):
+    import pandas as pd
+
+    return pd.read_parquet(path)
+
+
+def _csv(path: Path):
+    import pandas as pd
+
+    return pd.read_csv(path, dtype=str, keep_default_na=False)
+
+
+READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
+    ".jsonl": _jsonl, ".parquet": _frame(_parquet), ".csv": _frame(_csv),
+}
 
 
 def _task_row(path: Path, number: int, record: dict[str, Any]) -> dict[str, Any]:
-    prompt = record.get("prompt")
+    where = f"{path} row {number}"
+    values = {key: _cell(where, str(key), _plain(value)) for key, value in record.items()}
+    prompt = values.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ConfigError(f"{path} row {number}: column 'prompt' = {prompt!r}: "
-                          "every task needs a non-empty prompt; no task was loaded")
-    answer, split, source = (_plain(record.get(key)) for key in ("answer", "split", "source"))
-    payload = {k: _plain(v) for k, v in record.items() if k not in KNOWN}
+        raise ConfigError(f"{where}: column 'prompt' = {prompt!r}: every task needs a non-empty "
+                          "prompt (text); no task was loaded")
+    answer, split, source = (values.get(key) for key in ("answer", "split", "source"))
+    if answer is not None and not isinstance(answer, (str, int, float)):
+        raise ConfigError(f"{where}: column 'answer' = {answer!r}: the answer is text or a "
+                          "number; no task was loaded")
+    if split is not None and split not in SPLITS:
+        raise ConfigError(f"{where}: column 'split' = {split!r}: a split is train or test; "
+                          "no task was loaded")
+    payload = {k: v for k, v in values.items() if k not in KNOWN}
     return {"prompt": prompt, "answer": None if answer is None else str(answer),
-            "split": str(split or "train"), "source": str(source or path.name),
-            "payload": json.loads(json.dumps(payload, default=str))}
+            "split": split or "train", "source": str(source or path.name), "payload": payload}
+
+
+def _cell(where: str, column: str, value: Any) -> Any:
+    """A value PostgreSQL's text and JSONB can hold, checked all the way down."""
+    def bad(rule: str):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ConfigError(f"{where}: column {column!r} = {shown}: {rule}; no task was loaded")
+
+    if isinstance(value, str):
+        if "\x00" in value:
+            bad("text cannot hold a NUL character")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                bad("not valid Unicode text (a lone surrogate)")
+    elif isinstance(value, float) and not math.isfinite(value):
+        bad("not a finite number")
+    elif isinstance(value, dict):
+        return {_cell(where, column, str(k)): _cell(where, column, _plain(v))
+                for k, v in value.items()}
+    elif isinstance(value, (list, tuple)):
+        return [_cell(where, column, _plain(v)) for v in value]
+    elif not isinstance(value, (int, float, bool, type(None))):
+        return _cell(where, column, str(value))
+    return value
 
 
 def _missing(value: Any) -> bool:
@@ -57,8 +147,10 @@ def _missing(value: Any) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    """A plain Python value: numpy scalars unwrapped, NaN (pandas' missing) as None."""
-    value = value.item() if hasattr(value, "item") else value
+    """A plain Python value: numpy scalars and arrays unwrapped, pandas' missing (NaN, '') as
+    None."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
     return None if _missing(value) or value == "" else value
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +175,31 @@ def check_args(index: int, name: str, args: dict[str, Any], known: dict[str, typ
             raise ConfigError(f"{where}: unknown argument '{key}'{hint}")
         annotation = params[key].annotation if key in params else inspect.Parameter.empty
         _check_type(where, key, value, annotation)
+    _check_ranges(where, args)
+
+
+# Arguments whose names say they count or measure something: a negative one means nothing.
+_NON_NEGATIVE = re.compile(r"(^|_)(len|num|size|count|ratio|rate|tokens|topk|fraction|"
+                           r"threshold|window|blocks|bands|permutations|distance|percentile|"
+                           r"rank|penalty|proc)(_|$)")
+
+
+def _check_ranges(where: str, args: dict[str, Any]) -> None:
+    """Numbers finite; counts and measures not negative; each min_X at most its max_X."""
+    for key, value in args.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: argument '{key}' = {value}: must be a finite number "
+                              "(leave it out for no bound)")
+        if value < 0 and _NON_NEGATIVE.search(key):
+            raise ConfigError(f"{where}: argument '{key}' = {value}: must not be negative")
+    for key, low in args.items():
+        high = args.get("max_" + key[4:]) if key.startswith("min_") else None
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) \
+                and low > high:
+            raise ConfigError(f"{where}: {key} = {low} is above max_{key[4:]} = {high}: no row "
+                              "could pass")
 
 
 def _check_type(where: str, key: str, value: Any, annotation: Any) -> None:

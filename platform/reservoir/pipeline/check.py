@@ -8,14 +8,32 @@ from reservoir.errors import ConfigError
 from reservoir.pipeline.bridge import Step, build_steps
 from reservoir.pipeline.spec import PipelineSpec, load_pipeline
 from reservoir.pipeline.validate import check_specs
+from reservoir.store.source import FIELDS
+
+# Fields Reservoir's own operators add to rows, and the group size validation computes.
+ADDED_FIELDS = ("task_difficulty", "review_reason", "_group_size")
 
 
 def check_file(path: Path) -> tuple[PipelineSpec, list[Step]]:
     """The spec and its operators; a ConfigError names the file, the key or operator, and why."""
     spec = load_pipeline(path)
     try:
-        steps = build_steps(spec.operators, spec.text_key)
-        check_specs(spec.validate_.expectations)
+        steps = check_spec(spec)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return spec, steps
+
+
+def check_spec(spec: PipelineSpec) -> list[Step]:
+    """Operators built (names, arguments, ranges checked) and expectations on known columns."""
+    steps = build_steps(spec.operators, spec.text_key)
+    check_specs(spec.validate_.expectations, row_columns(spec))
+    return steps
+
+
+def row_columns(spec: PipelineSpec) -> set[str]:
+    """The columns rows can have after the operators: the source's, ours, and any field an
+    operator is told to write (an argument naming a key)."""
+    written = {value for _, args in spec.operators for key, value in args.items()
+               if isinstance(value, str) and (key.endswith("_key") or key.startswith("target"))}
+    return set(FIELDS) | set(ADDED_FIELDS) | written

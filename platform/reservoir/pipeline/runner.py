@@ -23,12 +23,13 @@ from typing import Any, Callable
 import pandas as pd
 
 from reservoir.errors import ConfigError, ReservoirError
-from reservoir.pipeline.bridge import Step, build_steps, dataset, run_step
+from reservoir.pipeline.bridge import Step, dataset, run_step
+from reservoir.pipeline.check import check_spec
 from reservoir.pipeline.decide import (JSON_FIELDS, TRACKED, PipelineFailed, Trace, decide,
                                        keep_unchanged)
 from reservoir.pipeline.spec import PipelineSpec
 from reservoir.pipeline.tokens import reencode
-from reservoir.pipeline.validate import Outcome, check_specs, jsonable, validate
+from reservoir.pipeline.validate import Outcome, jsonable, validate
 from reservoir.store import Store
 from reservoir.store import pipelines as queries
 from reservoir.store.runs import run_id_of
@@ -58,8 +59,7 @@ def run_pipeline(store: Store, spec: PipelineSpec, *, runs: list[str] | None = N
                  schedule_id: int | None = None,
                  progress: Callable[[str], None] | None = None) -> PipelineResult:
     """Run once; raises PipelineFailed (or ConfigError before anything is written)."""
-    steps = build_steps(spec.operators, spec.text_key)
-    check_specs(spec.validate_.expectations)
+    steps = check_spec(spec)
     _check_selectors(spec, steps)
     with store.engine.connect() as conn:
         run_ids = [run_id_of(conn, name) for name in (runs or spec.source.runs)]

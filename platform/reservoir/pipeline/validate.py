@@ -67,14 +67,25 @@ def _gx():
     return gx
 
 
-def check_specs(expectations) -> None:
-    """Build every expectation once, so a bad type or argument fails before anything runs."""
+COLUMN_ARGS = ("column", "column_A", "column_B")
+
+
+def check_specs(expectations, columns: set[str] | None = None) -> None:
+    """Build every expectation once, so a bad type or argument fails before anything runs;
+    with `columns`, a column the rows will not have is named too."""
     for index, spec in enumerate(expectations):
         (name, kwargs), = spec.items()
+        where = f"validate.expectations[{index}] ({name})"
         try:
             _expectation(name, kwargs or {})
         except Exception as exc:  # great-expectations raises several types for bad specs
-            raise ConfigError(f"validate.expectations[{index}] ({name}): {exc}") from None
+            raise ConfigError(f"{where}: {exc}") from None
+        named = [kwargs[key] for key in COLUMN_ARGS if key in (kwargs or {})]
+        named += list((kwargs or {}).get("column_list") or [])
+        unknown = [c for c in named if columns is not None and c not in columns]
+        if unknown:
+            raise ConfigError(f"{where}: unknown column {unknown[0]!r}; the rows have "
+                              f"{', '.join(sorted(columns))}")
 
 
 def _expectation(name: str, kwargs: dict):
