@@ -33,8 +33,10 @@ def read_task_file(path: Path) -> list[dict[str, Any]]:
         raise
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read tasks: {' '.join(str(exc).split())}") from None
+    if not records:
+        raise ConfigError(f"{path}: the file holds no tasks")
     columns = list(dict.fromkeys(key for record in records for key in record))
-    if records and "prompt" not in columns:
+    if "prompt" not in columns:
         raise ConfigError(f"{path}: no 'prompt' column (columns: {', '.join(columns)})")
     return [_task_row(path, number, record) for number, record in enumerate(records, start=1)]
 

@@ -79,7 +79,7 @@ def check_specs(expectations, columns: set[str] | None = None) -> None:
         try:
             _expectation(name, kwargs or {})
         except Exception as exc:  # great-expectations raises several types for bad specs
-            raise ConfigError(f"{where}: {exc}") from None
+            raise ConfigError(f"{where}: {' '.join(str(exc).split())}") from None
         named = [kwargs[key] for key in COLUMN_ARGS if key in (kwargs or {})]
         named += list((kwargs or {}).get("column_list") or [])
         unknown = [c for c in named if columns is not None and c not in columns]
