@@ -240,8 +240,9 @@ def test_held_rows_wait_for_a_verdict(store):
     with store.engine.begin() as conn:
         first, second = pending(conn, "p", 10)[:2]
         assert first["reason"] == "check wins"
-        assert label(conn, first["id"], verdict="accept", reviewer="ana", values={}) == "ready"
-        assert label(conn, second["id"], verdict="reject", reviewer="ana", values={}) == \
+        assert label(conn, first["review_id"], verdict="accept", reviewer="ana",
+                     values={}) == "ready"
+        assert label(conn, second["review_id"], verdict="reject", reviewer="ana", values={}) == \
             "quarantined"
     assert rows(store, "SELECT status FROM experiences WHERE id = ANY(:ids) ORDER BY id",
                 ids=[first["experience_id"], second["experience_id"]]) == [

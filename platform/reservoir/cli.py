@@ -224,6 +224,10 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
     """Store quickstart: write synthetic groups, train a few steps, show what to query."""
     from reservoir.cli_output import print_table
     from reservoir.demo import run_demo
+
+    if steps * groups_per_step > groups:
+        raise ReservoirError(f"--steps {steps} x --groups-per-step {groups_per_step} needs "
+                             f"{steps * groups_per_step} groups, --groups is {groups}")
     from reservoir.store.inspect import run_sql
 
     with _open(config, migrate=True) as store:

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from reservoir.cli_common import ConfigOption, _config, _open, console
+from reservoir.cli_common import ConfigOption, WideOption, _config, _open, console
 from reservoir.errors import ReservoirError
 
 pipeline_app = typer.Typer(help="Data pipelines: operator YAML run against the store.",
@@ -75,14 +74,17 @@ def pipeline_ops(match: Optional[str] = typer.Argument(None, help="Only names co
 
 @pipeline_app.command("history")
 def pipeline_history(pipeline: Optional[str] = typer.Argument(None, help="Pipeline name."),
-                     limit: int = typer.Option(20, help="How many runs."),
-                     config: Optional[Path] = ConfigOption) -> None:
-    """Recent pipeline runs: status, rows in / out / dropped, duration, error."""
-    from reservoir.pipeline.report import history_table
-    from reservoir.store.pipelines import history
+                     limit: int = typer.Option(20, min=1, max=100_000, help="How many runs."),
+                     wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
+    """Recent pipeline runs: status (abandoned if its process died), rows in / out / dropped,
+    duration, error."""
+    from reservoir.cli_output import print_table
+    from reservoir.store.pipelines import HISTORY_COLUMNS, history
 
     with _open(config) as store, store.engine.connect() as conn:
-        console.print(history_table(history(conn, pipeline, limit)))
+        found = history(conn, pipeline, limit)
+    print_table(console, HISTORY_COLUMNS, [[row[c] for c in HISTORY_COLUMNS] for row in found],
+                title="pipeline runs, newest first", wide=wide)
 
 
 @schedule_app.command("add")
@@ -101,19 +103,17 @@ def schedule_add(file: Path = typer.Argument(..., help="Pipeline YAML (mode: onc
 
 
 @schedule_app.command("list")
-def schedule_list(config: Optional[Path] = ConfigOption) -> None:
-    """Schedules: pipeline file, cron, last and next run, missed runs."""
+def schedule_list(wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
+    """Schedules: pipeline file, cron, next and last run, missed runs."""
+    from reservoir.cli_output import print_table
     from reservoir.store.schedules import listed
 
-    table = Table(title="schedules")
-    for column in ("name", "pipeline", "cron", "enabled", "last run", "next run", "missed"):
-        table.add_column(column)
+    columns = ("name", "cron", "next_run_at", "last_run_at", "missed_runs", "enabled",
+               "pipeline_file")
     with _open(config) as store, store.engine.connect() as conn:
-        for row in listed(conn):
-            table.add_row(row["name"], row["pipeline_file"], row["cron"], str(row["enabled"]),
-                          str(row["last_run_at"] or "-"), str(row["next_run_at"]),
-                          str(row["missed_runs"]))
-    console.print(table)
+        found = listed(conn)
+    print_table(console, columns, [[row[c] for c in columns] for row in found],
+                title="schedules", wide=wide)
 
 
 @schedule_app.command("remove")
@@ -143,20 +143,17 @@ def schedule_serve(poll: float = typer.Option(10.0, help="Seconds between checks
 
 @review_app.command("list")
 def review_list(run: Optional[str] = typer.Option(None, help="Only this run's rows."),
-                limit: int = typer.Option(20, help="How many."),
-                config: Optional[Path] = ConfigOption) -> None:
+                limit: int = typer.Option(20, min=1, max=100_000, help="How many."),
+                wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
     """Pending reviews: the held row's prompt, response, reward and why it was held."""
+    from reservoir.cli_output import print_table
     from reservoir.store.reviews import pending
 
-    table = Table(title="pending reviews")
-    for column in ("review", "experience", "run", "prompt", "response", "reward", "reason"):
-        table.add_column(column)
+    columns = ("review_id", "experience_id", "run", "reward", "reason", "response", "prompt")
     with _open(config) as store, store.engine.connect() as conn:
-        for row in pending(conn, run, limit):
-            table.add_row(str(row["id"]), str(row["experience_id"]), row["run"],
-                          row["prompt_text"][:40], row["response_text"][:40],
-                          f"{row['reward']:.3g}", row["reason"] or "")
-    console.print(table)
+        found = pending(conn, run, limit)
+    print_table(console, columns, [[row[c] for c in columns] for row in found],
+                title="pending reviews", wide=wide)
 
 
 @review_app.command("label")

@@ -65,17 +65,3 @@ def operators_table(match: str | None = None) -> Table:
 
 def _default(parameter: inspect.Parameter) -> str:
     return "required" if parameter.default is inspect.Parameter.empty else repr(parameter.default)
-
-
-def history_table(rows: list[dict]) -> Table:
-    table = Table(title="pipeline runs, newest first")
-    for column in ("id", "pipeline", "trigger", "status", "in", "out", "dropped", "seconds",
-                   "started", "error"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(str(row["id"]), row["pipeline"], row["trigger"], row["status"],
-                      *(str(row[k]) if row[k] is not None else "-"
-                        for k in ("rows_in", "rows_out", "rows_dropped")),
-                      f"{row['duration_s']:.2f}" if row["duration_s"] is not None else "-",
-                      row["started_at"].strftime("%Y-%m-%d %H:%M:%S"), (row["error"] or "")[:80])
-    return table

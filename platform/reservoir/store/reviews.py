@@ -13,8 +13,9 @@ VERDICT_STATUS = {"accept": "ready", "reject": "quarantined"}
 
 
 def pending(conn: Connection, run: str | None, limit: int) -> list[dict[str, Any]]:
-    stmt = (select(reviews.c.id, reviews.c.experience_id, runs.c.name.label("run"),
-                   experiences.c.prompt_text, experiences.c.response_text, experiences.c.reward,
+    stmt = (select(reviews.c.id.label("review_id"), reviews.c.experience_id,
+                   runs.c.name.label("run"), experiences.c.prompt_text.label("prompt"),
+                   experiences.c.response_text.label("response"), experiences.c.reward,
                    reviews.c.reason)
             .join(experiences, experiences.c.id == reviews.c.experience_id)
             .join(runs, runs.c.id == experiences.c.run_id)
