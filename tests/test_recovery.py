@@ -181,3 +181,65 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, db_url):
     found = ledger(db_url)
     assert found["steps"] == list(range(41)) and found["status"] == "finished"
     assert (found["bad_steps"], found["trained_twice"]) == (0, 0)
+
+
+def warm_up_config(tmp_path: Path, db_url: str, model: Path, warmup_steps: int) -> Path:
+    config = yaml.safe_load(trainer_config(tmp_path, "warm", db_url, model).read_text())
+    config["trainer"].update(warmup_steps=warmup_steps, warmup_batch=4, warmup_fraction=0.5)
+    return write_config(tmp_path / "warm.yaml", config)
+
+
+def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_starts_it_again(tmp_path,
+                                                                             db_url):
+    """Issue 8: main showed `created` and `-` through the whole warm-up and ignored Ctrl-C
+    until it ended."""
+    model = build_tiny_model(tmp_path / "tiny", seed=8)
+    config_path = warm_up_config(tmp_path, db_url, model, warmup_steps=100_000)
+    with Store(db_url) as store:
+        ensure_run(store, parse_config(yaml.safe_load(config_path.read_text())))
+        store.write_groups(offline_groups("offline", 8 * 2))
+    run = start("train", str(config_path), cwd=tmp_path)
+    progress = wait_for(lambda: query(db_url, "SELECT status, progress FROM analytics.runs "
+                                              "WHERE (progress ->> 'step')::int >= 5"))
+    status, shown = progress[0]
+    assert status == "running" and shown["phase"] == "warm-up" and shown["of"] == 100_000
+    interrupted = time.monotonic()
+    os.killpg(run.pid, signal.SIGINT)
+    output, _ = run.communicate(timeout=60)
+    assert run.returncode == 130 and time.monotonic() - interrupted < 20, output
+    assert query(db_url, "SELECT status, progress FROM runs") == [("stopped", {})]
+    assert query(db_url, "SELECT count(*) FROM train_steps") == [(0,)]
+    resumed = warm_up_config(tmp_path, db_url, model, warmup_steps=20)
+    output = finish(start("train", str(resumed), "--resume", cwd=tmp_path))
+    assert "resumed run 'offline' from the start (no checkpoint yet)" in output
+    assert ledger(db_url)["steps"] == list(range(9))
+
+
+def test_a_trainer_killed_before_its_first_checkpoint_resumes(tmp_path, new_database,
+                                                              template_db):
+    """Issue 8: main refused `--resume` ("no checkpoint"). Killed in its warm-up, the trainer
+    resumes from the start and ends at the same weights as a run never killed."""
+    model = build_tiny_model(tmp_path / "tiny", seed=9)
+    paths = {}
+    for side in ("straight", "killed"):
+        db_url = new_database(template_db)
+        config = yaml.safe_load(warm_up_config(tmp_path, db_url, model, 60).read_text())
+        config["trainer"]["checkpoint_dir"] = str(tmp_path / side)
+        paths[side] = (db_url, write_config(tmp_path / f"{side}.yaml", config))
+        with Store(db_url) as store:
+            ensure_run(store, parse_config(config))
+            store.write_groups(offline_groups("offline", 8 * 2))
+    finish(start("train", str(paths["straight"][1]), cwd=tmp_path))
+    db_url, config_path = paths["killed"]
+    victim = start("train", str(config_path), cwd=tmp_path)
+    wait_for(lambda: query(db_url, "SELECT 1 FROM runs WHERE (progress ->> 'step')::int >= 1"))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert not (tmp_path / "killed" / "offline").exists()  # no checkpoint yet
+    finish(start("train", str(config_path), "--resume", cwd=tmp_path))
+    found = ledger(db_url)
+    assert found["steps"] == list(range(9)) and found["status"] == "finished"
+    weights = [load_model(tmp_path / side / "offline" / "step-000008")[0].state_dict()
+               for side in ("straight", "killed")]
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)

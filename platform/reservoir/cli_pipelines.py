@@ -134,9 +134,10 @@ def schedule_serve(poll: float = typer.Option(10.0, help="Seconds between checks
     """Run due pipelines (any number of schedulers may serve one store)."""
     from reservoir.pipeline.schedule import serve
 
+    patience = _config(config).store.outage_patience_s
     with _open(config, migrate=True) as store:
         try:
-            serve(store, console, poll_s=poll, once=once)
+            serve(store, console, poll_s=poll, once=once, patience_s=patience)
         except KeyboardInterrupt:
             console.print("scheduler stopped")
 

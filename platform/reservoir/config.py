@@ -87,6 +87,10 @@ class StoreConfig(Section):
     query_timeout_s: Number = number(
         30.0, gt=0, le=DAY,
         description="Statement timeout of `reservoir sql` and `reservoir inspect` queries.")
+    outage_patience_s: Number = number(
+        120.0, ge=0, le=DAY,
+        description="How long workers wait out an unreachable store (a restart) before they "
+        "stop with one line; started again, they carry on")
 
     def resolved_url(self) -> str | None:
         """The server URL from config or environment; None selects the embedded server."""

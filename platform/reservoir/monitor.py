@@ -12,21 +12,11 @@ from typing import Iterator
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-SNAPSHOT = text("""
-SELECT r.status, r.rows_inserted,
-       (SELECT max(version) FROM policy_versions WHERE run_id = r.id) AS version,
-       (SELECT step FROM train_steps WHERE run_id = r.id ORDER BY step DESC LIMIT 1) AS step,
-       (SELECT metrics FROM train_steps WHERE run_id = r.id AND step > 0
-         ORDER BY step DESC LIMIT 1) AS metrics,
-       (SELECT (metrics ->> 'eval/accuracy')::float8 FROM train_steps
-         WHERE run_id = r.id AND metrics ? 'eval/accuracy' ORDER BY step DESC LIMIT 1) AS accuracy,
-       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'raw') AS raw,
-       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'ready') AS ready,
-       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'leased') AS leased
-FROM runs r WHERE r.name = :run
-""")
+from reservoir.store.retry import describe_outage, is_outage
+from reservoir.store.runs import snapshot
+
 WINDOW_S = 15.0  # rollouts/s over this much recent time
 
 
@@ -37,7 +27,7 @@ class Monitor:
 
     def snapshot(self) -> dict | None:
         with self.engine.connect() as conn:
-            row = conn.execute(SNAPSHOT, {"run": self.run}).mappings().first()
+            row = snapshot(conn, self.run)
         if row is None:
             return None
         now = time.monotonic()
@@ -48,14 +38,25 @@ class Monitor:
         return dict(row) | {"rollouts_per_s": (rows1 - rows0) / (t1 - t0) if t1 > t0 else 0.0}
 
     def render(self) -> Table:
-        snap = self.snapshot()
         table = Table(title=f"run {self.run}", show_header=False, min_width=46)
         table.add_column(style="bold")
         table.add_column(justify="right")
+        try:
+            snap = self.snapshot()
+        except Exception as exc:  # the store restarting: say so, and try again next refresh
+            if not is_outage(exc):
+                raise
+            table.add_row("store", f"unreachable, retrying ({describe_outage(exc)})")
+            return table
         if snap is None:
             table.add_row("status", "waiting for the run to be created")
             return table
         metrics = snap["metrics"] or {}
+        progress = snap["progress"] or {}
+        if progress:
+            table.add_row(progress.get("phase", "phase"),
+                          f"{progress.get('step')} / {progress.get('of')}, loss "
+                          f"{_fmt(progress.get('loss'))}")
         for name, value in (
             ("status", snap["status"]),
             ("step", f"{snap['step'] if snap['step'] is not None else '-'} / {self.steps}"),
@@ -67,6 +68,7 @@ class Monitor:
             ("rows raw / ready / leased", f"{snap['raw']} / {snap['ready']} / {snap['leased']}"),
             ("rollouts/s", _fmt(snap["rollouts_per_s"], 1)),
             ("train tokens/s", _fmt(metrics.get("train_tokens_per_s"), 0)),
+            ("partial groups in the last batch", _fmt(metrics.get("partial_groups"))),
         ):
             table.add_row(name, value)
         return table

@@ -127,25 +127,22 @@ def _prepared(config: ReservoirConfig) -> ReservoirConfig:
 def _in_thread(worker, monitor: Monitor, console: Console):
     """Run worker.run() in a thread while this one shows the run; return its result."""
     outcome: dict = {}
+    done = threading.Event()  # not Thread.join: a Ctrl-C inside join can leave the thread
+                              # looking finished while it still runs
 
     def target() -> None:
         try:
             outcome["result"] = worker.run()
         except BaseException as exc:  # handed to the caller's thread below
             outcome["error"] = exc
+        finally:
+            done.set()
 
-    thread = threading.Thread(target=target, name=type(worker).__name__, daemon=True)
-    thread.start()
-    _supervise(monitor, console, finished=lambda wait: not _alive_after(thread, wait),
-               stop=worker.request_stop)
+    threading.Thread(target=target, name=type(worker).__name__, daemon=True).start()
+    _supervise(monitor, console, finished=done.wait, stop=worker.request_stop)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
-
-
-def _alive_after(thread: threading.Thread, wait: float) -> bool:
-    thread.join(wait)
-    return thread.is_alive()
 
 
 def _supervise(monitor: Monitor, console: Console, *, finished: Callable[[float], bool],

@@ -11,6 +11,7 @@ from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError
 from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.store import Store
+from reservoir.store.runs import check_resumable as resumable
 from reservoir.store.runs import insert_run, run_id_of, set_status
 from reservoir.store.tasks import add_tasks
 
@@ -52,7 +53,7 @@ def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -
     With resume, the run must have a checkpoint, and it is marked running again before its
     workers start: explorers leave a run they see stopped, failed or finished."""
     if resume:
-        check_resumable(config)
+        check_resumable(store, config)
         run_id = ensure_run(store, config)
         with store.engine.begin() as conn:
             set_status(conn, run_id, "running")
@@ -67,10 +68,8 @@ def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -
         return run_id
 
 
-def check_resumable(config: ReservoirConfig) -> None:
-    from reservoir.trainer.checkpoint import latest_checkpoint
-
-    checkpoints = Path(config.trainer.checkpoint_dir) / config.run.name
-    if latest_checkpoint(checkpoints) is None:
-        raise ConfigError(f"--resume: no checkpoint under {checkpoints}")
-
+def check_resumable(store: Store, config: ReservoirConfig) -> None:
+    """--resume continues a run that exists and has steps left, from its last checkpoint or,
+    for a trainer killed before its first one, from the start (then it replays the ledger)."""
+    with store.engine.connect() as conn:
+        resumable(conn, config.run.name, config.trainer.steps)

@@ -26,6 +26,7 @@ from reservoir.models import load_model, load_weights
 from reservoir.store import Store
 from reservoir.store.notify import Listener
 from reservoir.store.pace import Pace, claim_budget
+from reservoir.store.retry import Patience, is_outage
 from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of, status_of
 from reservoir.store.tasks import claim_tasks, finish_claims, release_claims
 
@@ -66,21 +67,32 @@ class ExplorerWorker:
         torch.manual_seed(self.seed)
         stats = ExplorerStats(self.name)
         engine = TransformersEngine(self.config.model.path)
+        patience = Patience(self.config.store.outage_patience_s, say=print)
         with Store.open(self.config, quiet=True) as store, \
                 Listener(store.engine, POLICY_CHANNEL) as listener:
             with store.engine.connect() as conn:
                 run_id = run_id_of(conn, self.config.run.name)
             try:
                 while not self._stop.is_set():
-                    outcome = self._once(store, run_id, engine, stats)
+                    outcome = patience(lambda: self._once(store, run_id, engine, stats),
+                                       self.name, before_retry=lambda: self._release(store))
                     if outcome == "done":
                         break
                     if outcome == "wait":
                         listener.wait(IDLE_POLL_S)
             finally:
-                with store.engine.begin() as conn:
-                    release_claims(conn, self.token)
+                self._release(store, quietly=True)
         return stats
+
+    def _release(self, store: Store, quietly: bool = False) -> None:
+        """Give back the claims this worker holds (after a lost round, or when it stops; if
+        the store is out then, they expire by themselves)."""
+        try:
+            with store.engine.begin() as conn:
+                release_claims(conn, self.token)
+        except Exception as exc:
+            if not (quietly and is_outage(exc)):
+                raise
 
     def _once(self, store: Store, run_id: int, engine, stats: ExplorerStats) -> str:
         """One round: 'done' (the run ended), 'wait' (nothing to do yet) or 'explored'."""

@@ -23,6 +23,7 @@ from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import load_pipeline
 from reservoir.store import Store
 from reservoir.store import schedules as queries
+from reservoir.store.retry import Patience
 
 MAX_MISSED_COUNTED = 10_000
 
@@ -91,10 +92,13 @@ def _run_one(store: Store, lock, schedule: dict, console: Console) -> None:
                     missed=missed)
 
 
-def serve(store: Store, console: Console, *, poll_s: float = 10.0, once: bool = False) -> None:
-    """Run due pipelines until interrupted (or one pass with once)."""
+def serve(store: Store, console: Console, *, poll_s: float = 10.0, once: bool = False,
+          patience_s: float = 120.0) -> None:
+    """Run due pipelines until interrupted (or one pass with once); a pass lost to a store
+    restart is run again (a schedule advances only with its run, under its row lock)."""
+    patience = Patience(patience_s, say=lambda line: console.print(line, markup=False))
     while True:
-        run_due(store, console)
+        patience(lambda: run_due(store, console), "scheduler")
         if once:
             return
         time.sleep(poll_s)

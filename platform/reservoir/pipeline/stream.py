@@ -19,6 +19,7 @@ from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import PipelineSpec, load_pipeline
 from reservoir.store import Store
 from reservoir.store.pipelines import has_rows
+from reservoir.store.retry import Patience
 from reservoir.store.runs import run_id_of, status_of
 
 POLL_S = 0.2
@@ -56,21 +57,30 @@ class PipelineWorker:
         spec = stream_spec(self.path)
         stats = StreamStats(spec.name)
         runs = self.runs or list(spec.source.runs)
+        patience = Patience(self.config.store.outage_patience_s, say=print)
         with Store.open(self.config, quiet=True) as store:
             with store.engine.connect() as conn:
                 run_ids = [run_id_of(conn, name) for name in runs]
-            while not self._stop.is_set():
-                with store.engine.connect() as conn:
-                    pending = has_rows(conn, run_ids, spec.source.status)
-                    ended = run_ids and all(status_of(conn, r) in DONE for r in run_ids)
-                if not pending:
-                    if ended:
-                        break
+            while not self._stop.is_set():  # a pass lost to a restart is simply run again
+                outcome = patience(lambda: self._pass(store, spec, runs, run_ids, stats),
+                                   f"pipeline {spec.name}")
+                if outcome == "ended":
+                    break
+                if outcome == "idle":
                     self._stop.wait(POLL_S)
-                    continue
-                result = run_pipeline(store, spec, runs=runs, trigger="stream",
-                                      source_file=str(self.path))
-                stats.passes += 1
-                stats.rows_in += result.rows_in
-                stats.rows_out += result.rows_out
         return stats
+
+    def _pass(self, store: Store, spec: PipelineSpec, runs: list[str], run_ids: list[int],
+              stats: StreamStats) -> str:
+        """'ended' (its runs ended and nothing is left), 'idle' (nothing to do) or 'ran'."""
+        with store.engine.connect() as conn:
+            pending = has_rows(conn, run_ids, spec.source.status)
+            ended = run_ids and all(status_of(conn, r) in DONE for r in run_ids)
+        if not pending:
+            return "ended" if ended else "idle"
+        result = run_pipeline(store, spec, runs=runs, trigger="stream",
+                              source_file=str(self.path))
+        stats.passes += 1
+        stats.rows_in += result.rows_in
+        stats.rows_out += result.rows_out
+        return "ran"

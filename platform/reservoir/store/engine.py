@@ -50,4 +50,4 @@ def async_engine(url: str, **kwargs) -> AsyncEngine:
         parsed = parsed.difference_update_query(["host"]).set(host=socket_dir)
     if port:
         parsed = parsed.difference_update_query(["port"]).set(port=int(port))
-    return create_async_engine(parsed, **kwargs)
+    return create_async_engine(parsed, pool_pre_ping=True, **kwargs)

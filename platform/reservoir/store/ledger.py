@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from sqlalchemy import Connection, bindparam, cast, func, insert, select, text, update
+from sqlalchemy import Connection, bindparam, cast, func, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.types import BigInteger, Float
@@ -86,10 +87,12 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
 
 def record_step(conn: Connection, run_id: int, step: int, *, policy_version: int,
                 metrics: dict[str, Any], loss: float | None = None) -> None:
-    """A train_steps row that consumed no experiences (for example a supervised warm-up)."""
-    conn.execute(insert(train_steps).values(run_id=run_id, step=step, loss=loss,
-                                            policy_version=policy_version, metrics=finite(metrics),
-                                            n_experiences=0))
+    """A train_steps row that consumed no experiences (for example a supervised warm-up); kept
+    as it is if the step was recorded already (a trainer that starts again)."""
+    conn.execute(pg_insert(train_steps).values(
+        run_id=run_id, step=step, loss=loss, policy_version=policy_version,
+        metrics=finite(metrics), n_experiences=0)
+        .on_conflict_do_nothing(constraint="train_steps_run_step"))
 
 
 def add_step_metrics(conn: Connection, run_id: int, step: int, metrics: dict[str, Any]) -> None:
@@ -105,6 +108,11 @@ def step_experiences(conn: Connection, run_id: int, step: int) -> list[int]:
             .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
             .order_by(batch_items.c.experience_id))
     return list(conn.execute(stmt).scalars())
+
+
+def has_step(conn: Connection, run_id: int, step: int) -> bool:
+    return conn.execute(select(train_steps.c.id).where(train_steps.c.run_id == run_id,
+                                                       train_steps.c.step == step)).first() is not None
 
 
 def last_step(conn: Connection, run_id: int) -> int | None:

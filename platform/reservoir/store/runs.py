@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, func, select, update
+from sqlalchemy import BigInteger, Connection, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.errors import StoreError
-from reservoir.store.schema import policy_versions, runs
+from reservoir.store.schema import policy_versions, runs, train_steps
 from reservoir.store.urls import scrub
 
 
@@ -74,6 +74,29 @@ def set_status(conn: Connection, run_id: int, status: str) -> None:
                  .values(status=status, updated_at=func.now()))
 
 
+def set_progress(conn: Connection, run_id: int, progress: dict[str, Any]) -> None:
+    """What the run is doing besides train steps (e.g. the warm-up: phase, step, of, loss);
+    {} when nothing."""
+    conn.execute(update(runs).where(runs.c.id == run_id).values(progress=progress))
+
+
+def delete_run(conn: Connection, name: str) -> bool:
+    """Delete a run and everything that is its (tasks, experiences, steps, versions)."""
+    return conn.execute(delete(runs).where(runs.c.name == name)).rowcount > 0
+
+
+def check_resumable(conn: Connection, name: str, steps: int) -> None:
+    """A run --resume can continue: it exists and has not trained all its steps."""
+    row = conn.execute(select(runs.c.id, runs.c.status).where(runs.c.name == name)).first()
+    if row is None:
+        raise StoreError(f"--resume: run {name!r} does not exist; start it without --resume")
+    done = conn.execute(select(func.max(train_steps.c.step))
+                        .where(train_steps.c.run_id == row.id)).scalar() or 0
+    if row.status == "finished" and done >= steps:
+        raise StoreError(f"--resume: run {name!r} is finished ({done} of {steps} steps); "
+                         "nothing to resume")
+
+
 POLICY_CHANNEL = "reservoir_policy"  # NOTIFY payload: "<run id>:<version>"
 
 
@@ -106,3 +129,25 @@ def latest_version(run_id_column):
     """Scalar subquery: the latest published policy version of a run (0 before the first)."""
     return (select(func.coalesce(func.max(policy_versions.c.version), 0))
             .where(policy_versions.c.run_id == run_id_column).scalar_subquery())
+
+
+SNAPSHOT = text("""
+SELECT r.status, r.rows_inserted, r.progress,
+       (SELECT max(version) FROM policy_versions WHERE run_id = r.id) AS version,
+       (SELECT step FROM train_steps WHERE run_id = r.id ORDER BY step DESC LIMIT 1) AS step,
+       (SELECT metrics FROM train_steps WHERE run_id = r.id AND step > 0
+         ORDER BY step DESC LIMIT 1) AS metrics,
+       (SELECT (metrics ->> 'eval/accuracy')::float8 FROM train_steps
+         WHERE run_id = r.id AND metrics ? 'eval/accuracy' ORDER BY step DESC LIMIT 1) AS accuracy,
+       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'raw') AS raw,
+       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'ready') AS ready,
+       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'leased') AS leased
+FROM runs r WHERE r.name = :run
+""")
+
+
+def snapshot(conn: Connection, name: str) -> dict[str, Any] | None:
+    """What the live view shows of a run: status, progress, version, last step and its
+    metrics, the latest held-out accuracy, rows raw / ready / leased, rows inserted."""
+    row = conn.execute(SNAPSHOT, {"run": name}).mappings().first()
+    return None if row is None else dict(row)

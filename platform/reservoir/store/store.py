@@ -142,6 +142,11 @@ class Store:
             return runs.create_run(conn, name, group_size=group_size, model=model,
                                    config=config, exist_ok=exist_ok)
 
+    def step_committed(self, run: str, step: int) -> bool:
+        """Whether the run's step is in the ledger (a commit whose answer was lost)."""
+        with self.engine.connect() as conn:
+            return ledger.has_step(conn, self.aio.run_ids(run)[0], step)
+
     def publish_version(self, run: str, version: int, *, location: str | None = None,
                         train_step: int | None = None) -> bool:
         with self.engine.begin() as conn:

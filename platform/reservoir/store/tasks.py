@@ -70,6 +70,7 @@ def split_tasks(conn: Connection, run_id: int, split: str) -> list[Claimed]:
 
 
 def mark_explored(conn: Connection, task_ids: list[int], times: int = 1_000_000) -> None:
-    """Count tasks as explored `times` over, so claiming reaches them last (warm-up data)."""
+    """Count tasks as explored at least `times` over, so claiming reaches them last (warm-up
+    data); marking them again changes nothing."""
     conn.execute(update(tasks).where(tasks.c.id.in_(task_ids))
-                 .values(times_explored=tasks.c.times_explored + times))
+                 .values(times_explored=func.greatest(tasks.c.times_explored, times)))

@@ -7,7 +7,7 @@ signal; a short warm-up on part of the train tasks gives it one.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -36,13 +36,18 @@ def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]) -> TrainBatch:
 
 
 def warm_up(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int, batch_size: int,
-            lr: float, seed: int = 0) -> list[float]:
-    """`steps` AdamW steps of answer-token cross-entropy; returns the loss per step."""
+            lr: float, seed: int = 0, stop: Callable[[], bool] = lambda: False,
+            progress: Callable[[int, float], None] = lambda step, loss: None) -> list[float]:
+    """`steps` AdamW steps of answer-token cross-entropy; returns the loss per step. `stop` is
+    asked before every step (fewer losses come back when it said yes); `progress` hears each
+    step's number and loss."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     model.train()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
+        if stop():
+            break
         batch = sft_batch(tokenizer, rng.sample(list(pairs), min(batch_size, len(pairs))))
         logprobs = token_logprobs(model, batch)
         loss = -(logprobs * batch.mask).sum() / batch.mask.sum()
@@ -50,4 +55,5 @@ def warm_up(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int, b
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
+        progress(step, losses[-1])
     return losses

@@ -28,12 +28,13 @@ from reservoir.models import load_model, save_weights
 from reservoir.prepare import check_model, check_resumable
 from reservoir.store import Store
 from reservoir.store.ledger import add_step_metrics, last_step, record_step, step_experiences
+from reservoir.store.retry import Patience
 from reservoir.store.runs import run_id_of, set_status
-from reservoir.store.tasks import mark_explored, split_tasks
+from reservoir.store.tasks import split_tasks
 from reservoir.trainer.batch import make_batch
 from reservoir.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from reservoir.trainer.seed import seed_everything
-from reservoir.trainer.sft import warm_up
+from reservoir.trainer.warmup import warm_up_stage
 from reservoir.trainer.step import PRESETS, train_step
 
 LEASE_POLL_S = 1.0  # between lease attempts, check for a stop request
@@ -57,6 +58,9 @@ class TrainerWorker:
         self.config, self.resume, self.evaluate = config, resume, evaluate
         self.console = console or Console(stderr=True)
         self.summary = RunSummary(config.run.name)
+        self.started = False  # step 0 is recorded: there is a state worth a checkpoint
+        self.patience = Patience(config.store.outage_patience_s, say=lambda line:
+                                 self.console.print(line, markup=False, highlight=False))
         self._stop = threading.Event()
 
     def request_stop(self) -> None:
@@ -76,9 +80,10 @@ class TrainerWorker:
                 self.held_out = split_tasks(conn, self.run_id, "test")
             self._check_can_start()
             try:
-                first = self._resume() if self.resume else self._start()
                 self._set_status("running")
-                self._train(first)
+                first = self._resume() if self.resume else self._start()
+                if first is not None:  # None: stopped during the warm-up
+                    self._train(first)
             except KeyboardInterrupt:
                 self._stop.set()
             except BaseException:
@@ -94,21 +99,27 @@ class TrainerWorker:
             raise ConfigError(f"run.name: run {self.config.run.name!r} has already trained; "
                               "continue it with --resume or choose another name")
         if self.resume:
-            check_resumable(self.config)
+            check_resumable(self.store, self.config)
 
     @property
     def checkpoints(self) -> Path:
         return Path(self.config.trainer.checkpoint_dir) / self.config.run.name
 
     def _set_status(self, status: str) -> None:
-        with self.store.engine.begin() as conn:
-            set_status(conn, self.run_id, status)
+        def write() -> None:
+            with self.store.engine.begin() as conn:
+                set_status(conn, self.run_id, status)
+
+        self.patience(write, f"run status {status}")
 
     def _finish(self) -> None:
         if self._stop.is_set() and self.summary.steps < self.config.trainer.steps:
-            self._checkpoint()
             self.summary.stopped = True
             self._set_status("stopped")
+            if not self.started:
+                self.console.print("stopped during the warm-up; `--resume` starts it again")
+                return
+            self._checkpoint()
             self.console.print(f"stopped after step {self.summary.steps}; checkpoint saved, "
                                "resume with --resume")
         else:
@@ -116,13 +127,20 @@ class TrainerWorker:
 
     # -- starting and resuming -------------------------------------------------------------
 
-    def _start(self) -> int:
-        """Measure the start policy, warm up, record step 0 and publish version 0."""
+    def _start(self) -> int | None:
+        """Measure the start policy, warm up, record step 0 and publish version 0 (both kept if
+        an earlier attempt recorded them: the seeded warm-up makes the same weights); None if a
+        stop came during the warm-up."""
         self.summary.accuracy.append(("start", self._evaluate()))
         metrics = {"eval/accuracy_start": self.summary.accuracy[-1][1]}
         location = str(self.config.model.path)
         if self.config.trainer.warmup_steps:
-            metrics |= self._warm_up()
+            warmed = warm_up_stage(self.store, self.run_id, self.config, self.policy,
+                                   self.tokenizer, stop=self._stop.is_set,
+                                   console=self.console)
+            if warmed is None:
+                return None
+            metrics |= warmed
             self.summary.accuracy.append(("warm-up", self._evaluate()))
             location = str(save_weights(self.policy, self._weights_path(0)))
         with self.store.engine.begin() as conn:
@@ -130,37 +148,30 @@ class TrainerWorker:
                         metrics=metrics | {"eval/accuracy": self.summary.accuracy[-1][1]})
         self.store.publish_version(self.config.run.name, 0, location=location, train_step=0)
         self._checkpoint()
+        self.started = True
         return 1
 
-    def _warm_up(self) -> dict[str, float]:
-        """Supervised warm-up on the first warmup_fraction of the train tasks (RL skips them)."""
-        trainer = self.config.trainer
-        with self.store.engine.begin() as conn:
-            train = split_tasks(conn, self.run_id, "train")
-            seen = train[:max(1, int(len(train) * trainer.warmup_fraction))]
-            mark_explored(conn, [task_id for task_id, _, _ in seen])
-        losses = warm_up(self.policy, self.tokenizer,
-                         [(prompt, answer or "") for _, prompt, answer in seen],
-                         steps=trainer.warmup_steps, batch_size=trainer.warmup_batch,
-                         lr=trainer.warmup_lr, seed=self.config.run.seed)
-        self.console.print(f"supervised warm-up: {trainer.warmup_steps} steps on {len(seen)} "
-                           f"tasks, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
-        return {"warmup/steps": trainer.warmup_steps, "warmup/tasks": len(seen),
-                "warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]}
-
-    def _resume(self) -> int:
-        """Reload the last checkpoint, replay later committed steps, free lost leases."""
+    def _resume(self) -> int | None:
+        """Reload the last checkpoint (or, for a trainer killed before its first one, start
+        again from the model folder), replay later committed steps, free lost leases."""
         checkpoint = latest_checkpoint(self.checkpoints)
-        resumed = load_checkpoint(checkpoint, self.policy, self.optimizer)
-        self.summary.steps, self.summary.version = resumed.step, resumed.version
+        if checkpoint is None:
+            if self._start() is None:
+                return None
+            resumed_step, origin = 0, "the start (no checkpoint yet)"
+        else:
+            resumed = load_checkpoint(checkpoint, self.policy, self.optimizer)
+            self.summary.steps, self.summary.version = resumed.step, resumed.version
+            resumed_step, origin = resumed.step, f"{checkpoint.name} (step {resumed.step})"
+            self.started = True
         with self.store.engine.connect() as conn:
             committed = last_step(conn, self.run_id) or 0
-        for step in range(resumed.step + 1, committed + 1):
+        for step in range(resumed_step + 1, committed + 1):
             self._replay(step)
         released = self.store.release_runs(self.config.run.name)
-        self.console.print(f"resumed run {self.summary.run!r} from {checkpoint.name} "
-                           f"(step {resumed.step}); replayed {committed - resumed.step} committed "
-                           f"steps from the ledger; released {released} leased rows")
+        self.console.print(f"resumed run {self.summary.run!r} from {origin}; replayed "
+                           f"{committed - resumed_step} committed steps from the ledger; "
+                           f"released {released} leased rows")
         return committed + 1
 
     def _replay(self, step: int) -> None:
@@ -190,8 +201,7 @@ class TrainerWorker:
             partial = lease.partial_groups()
             metrics |= {"wait_s": waited, "partial_groups": len(partial),
                         "partial_group_rows": sum(got for got, _ in partial.values())}
-            self.store.commit_step(lease, step=step, policy_version=self.summary.version,
-                                   loss=metrics["loss"], metrics=metrics)
+            self._commit(lease, step, metrics)
             self.summary.steps = step
             if step % trainer.sync_interval == 0:
                 self._publish(step)
@@ -206,10 +216,13 @@ class TrainerWorker:
         """Whole groups no staler than allowed; None if a stop came while waiting."""
         config, started = self.config, time.monotonic()
         floor = self.summary.version - config.staleness
+        lease = lambda: self.store.lease(  # noqa: E731
+            config.run.name, groups=config.trainer.batch_groups, min_policy_version=floor,
+            timeout_s=LEASE_POLL_S)
         while not self._stop.is_set():
-            try:
-                return self.store.lease(config.run.name, groups=config.trainer.batch_groups,
-                                        min_policy_version=floor, timeout_s=LEASE_POLL_S)
+            try:  # a lease lost with the connection is handed back before the next try
+                return self.patience(lease, "trainer lease", before_retry=lambda:
+                                     self.store.release_runs(config.run.name))
             except FlowControlTimeout:
                 if time.monotonic() - started > config.trainer.wait_timeout_s:
                     raise FlowControlTimeout(
@@ -217,6 +230,19 @@ class TrainerWorker:
                         f"groups (version >= {floor}) came in {config.trainer.wait_timeout_s:g}s;"
                         " is an explorer running (`reservoir explore CONFIG`)?") from None
         return None
+
+    def _commit(self, lease, step: int, metrics: dict) -> None:
+        """Commit the step through the ledger. If the connection dropped while committing, the
+        commit may have gone through: the retry looks before it commits again."""
+        retried = []
+
+        def once() -> None:
+            if retried and self.store.step_committed(self.config.run.name, step):
+                return
+            self.store.commit_step(lease, step=step, policy_version=self.summary.version,
+                                   loss=metrics["loss"], metrics=metrics)
+
+        self.patience(once, f"trainer step {step}", before_retry=lambda: retried.append(1))
 
     def _learn(self, rows) -> dict[str, float]:
         """One optimizer step on rows; metrics include staleness and throughput."""
@@ -235,8 +261,9 @@ class TrainerWorker:
     def _publish(self, step: int) -> None:
         version = self.summary.version + 1
         path = save_weights(self.policy, self._weights_path(version))
-        self.store.publish_version(self.config.run.name, version, location=str(path),
-                                   train_step=step)
+        self.patience(lambda: self.store.publish_version(self.config.run.name, version,
+                                                         location=str(path), train_step=step),
+                      f"publishing version {version}")
         self.summary.version = version
         self._prune_weights(keep=self.config.staleness + 3)
 
@@ -260,6 +287,10 @@ class TrainerWorker:
 
     def _record_accuracy(self, step: int) -> None:
         self.summary.accuracy.append((step, self._evaluate()))
-        with self.store.engine.begin() as conn:
-            add_step_metrics(conn, self.run_id, step,
-                             {"eval/accuracy": self.summary.accuracy[-1][1]})
+
+        def record() -> None:
+            with self.store.engine.begin() as conn:
+                add_step_metrics(conn, self.run_id, step,
+                                 {"eval/accuracy": self.summary.accuracy[-1][1]})
+
+        self.patience(record, f"held-out accuracy of step {step}")
