@@ -13,12 +13,13 @@ from typing import Iterator
 
 from data_juicer.ops.base_op import OPERATORS, Filter, Mapper
 from data_juicer.utils.constant import Fields
-from sqlalchemy import Engine, case, func, select
+from sqlalchemy import Engine
 
 from reservoir.operators.common import WHOLE, finite
 from reservoir.operators.priority import pass_rate_priority
 from reservoir.store.engine import sync_engine
-from reservoir.store.schema import experiences, policy_versions
+from reservoir.store.pipelines import stored_texts, task_pass_rates
+from reservoir.store.runs import latest_versions
 
 _current: Engine | None = None  # set by the pipeline runner (a global: forked workers see it)
 
@@ -58,9 +59,7 @@ class StalenessFilter(Filter):
     def compute_stats_batched(self, samples, *args, **kwargs):
         runs = sorted(set(samples["run_id"]))
         with engine_for(self._name, self.db_url).connect() as conn:
-            latest = dict(conn.execute(
-                select(policy_versions.c.run_id, func.max(policy_versions.c.version))
-                .where(policy_versions.c.run_id.in_(runs)).group_by(policy_versions.c.run_id)).all())
+            latest = latest_versions(conn, runs)
         for stats, run_id, version in zip(samples[Fields.stats], samples["run_id"],
                                           samples["policy_version"]):
             stats["staleness"] = staleness = latest.get(run_id, version) - version
@@ -92,13 +91,8 @@ class StoreDedupFilter(Filter):
 
     def compute_stats_batched(self, samples, *args, **kwargs):
         digests = [_digest(p, r) for p, r in zip(samples["prompt_text"], samples["response_text"])]
-        stored = func.md5(experiences.c.prompt_text.concat("\x1f").concat(experiences.c.response_text))
         with engine_for(self._name, self.db_url).connect() as conn:
-            found = dict(conn.execute(
-                select(stored, func.min(experiences.c.id))
-                .where(stored.in_(set(digests)), experiences.c.status.in_(self.statuses),
-                       experiences.c.id.not_in(list(samples["id"])))
-                .group_by(stored)).all())
+            found = stored_texts(conn, set(digests), self.statuses, list(samples["id"]))
         first: dict[str, int] = {}
         for stats, digest, row_id in zip(samples[Fields.stats], digests, samples["id"]):
             original = found.get(digest) or first.setdefault(digest, row_id)
@@ -127,13 +121,8 @@ class TaskDifficultyMapper(Mapper):
         self.set_priority, self.db_url = set_priority, db_url
 
     def _pass_rates(self, task_ids) -> dict[int, float]:
-        score = (experiences.c.reward_components[self.component].as_float()
-                 if self.component else experiences.c.reward)
-        passed = func.avg(case((score >= self.threshold, 1.0), else_=0.0))
         with engine_for(self._name, self.db_url).connect() as conn:
-            return dict(conn.execute(select(experiences.c.task_id, passed)
-                                     .where(experiences.c.task_id.in_(task_ids))
-                                     .group_by(experiences.c.task_id)).all())
+            return task_pass_rates(conn, task_ids, self.component, self.threshold)
 
     def process_batched(self, samples):
         rates = self._pass_rates(sorted({t for t in samples["task_id"] if t is not None}))

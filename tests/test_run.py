@@ -5,7 +5,7 @@ from sqlalchemy import text
 
 from reservoir import pool
 from reservoir.config import parse_config
-from reservoir.errors import ConfigError
+from reservoir.errors import ConfigError, StoreError
 from reservoir.models import build_tiny_model
 from reservoir.report import write_report
 from reservoir.store.engine import sync_engine
@@ -57,7 +57,8 @@ def test_sync_run_is_on_policy_and_every_step_has_its_ledger(tmp_path, db_url):
         pool.train(config)
     elsewhere = config.model_copy(update={"trainer": config.trainer.model_copy(
         update={"checkpoint_dir": tmp_path / "elsewhere"})})
-    with pytest.raises(ConfigError, match="--resume: no checkpoint under"):
+    with pytest.raises(StoreError, match="--resume: run 'r' is finished \\(4 of 4 steps\\); "
+                                         "nothing to resume"):
         pool.train(elsewhere, resume=True)
     assert ledger(db_url)["status"] == "finished"  # refusing to start changed nothing
     page = write_report(sync_engine(db_url), "r", tmp_path / "report")

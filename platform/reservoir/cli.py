@@ -228,24 +228,18 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
     if steps * groups_per_step > groups:
         raise ReservoirError(f"--steps {steps} x --groups-per-step {groups_per_step} needs "
                              f"{steps * groups_per_step} groups, --groups is {groups}")
-    from reservoir.store.inspect import run_sql
+    from reservoir.store.inspect import DEMO_RUNS, DEMO_STEPS, DEMO_TRAINED, run_sql
 
     with _open(config, migrate=True) as store:
         run_demo(store, run=run, n_groups=groups, group_size=group_size, steps=steps,
                  groups_per_step=groups_per_step, seed=seed, console=console,
                  raw_groups=raw_groups)
         url = store.url
-    for query in (DEMO_RUNS, DEMO_STEPS):
+    for query in (DEMO_RUNS, DEMO_STEPS):  # the queries a newcomer runs next
         console.print(f"\n$ reservoir sql {query!r} -p run={run}", highlight=False, markup=False)
         result = run_sql(url, query, params={"run": run})
         print_table(console, result.columns, result.rows)
-    trained = run_sql(url, "SELECT min(experience_id) FROM analytics.lineage WHERE run = :run "
-                           "AND step IS NOT NULL", params={"run": run}).rows[0][0]
+    trained = run_sql(url, DEMO_TRAINED, params={"run": run}).rows[0][0]
     console.print(f"\nthen: reservoir inspect run {run}   reservoir inspect experience {trained}",
                   highlight=False, markup=False)
 
-
-DEMO_RUNS = ("SELECT run, ready, leased, consumed, last_step, latest_version "
-             "FROM analytics.runs WHERE run = :run")
-DEMO_STEPS = ("SELECT step, n_experiences, round(reward_mean::numeric, 3) AS reward_mean, "
-              "response_len_mean FROM analytics.run_steps WHERE run = :run ORDER BY step")

@@ -10,11 +10,8 @@ from __future__ import annotations
 import numpy as np
 from rich.console import Console
 from rich.progress import Progress
-from sqlalchemy import delete
-
 from reservoir.store import Experience, Store
-from reservoir.store.runs import run_id_of
-from reservoir.store.schema import runs
+from reservoir.store.runs import delete_run, run_id_of
 from reservoir.store.tasks import add_tasks
 
 
@@ -43,7 +40,7 @@ def run_demo(store: Store, *, run: str, n_groups: int, group_size: int, steps: i
              groups_per_step: int, seed: int, console: Console, raw_groups: int = 0) -> None:
     rng = np.random.default_rng(seed)
     with store.engine.begin() as conn:
-        conn.execute(delete(runs).where(runs.c.name == run))
+        delete_run(conn, run)
     store.create_run(run, group_size=group_size, model="synthetic",
                      config={"demo": "store", "seed": seed})
     pairs = rng.integers(0, 100, size=(n_groups, 2))

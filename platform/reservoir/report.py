@@ -10,24 +10,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 import pandas as pd  # noqa: E402
-from sqlalchemy import Engine, text  # noqa: E402
+from sqlalchemy import Engine  # noqa: E402
 
 from reservoir.errors import StoreError  # noqa: E402
-
-STEPS = text("""
-SELECT ts.step, ts.created_at, ts.loss, (ts.metrics ->> 'eval/accuracy')::float8 AS accuracy,
-       rs.reward_mean, rs.response_len_mean
-FROM train_steps ts JOIN runs r ON r.id = ts.run_id
-LEFT JOIN analytics.run_steps rs ON rs.run = r.name AND rs.step = ts.step
-WHERE r.name = :run ORDER BY ts.step
-""")
-STALENESS = text("""
-SELECT bi.policy_version - e.policy_version AS staleness, count(*) AS n
-FROM batch_items bi JOIN experiences e ON e.id = bi.experience_id
-JOIN train_steps ts ON ts.id = bi.train_step_id JOIN runs r ON r.id = ts.run_id
-WHERE r.name = :run GROUP BY 1 ORDER BY 1
-""")
-
+from reservoir.store.ledger import staleness_counts, step_history  # noqa: E402
 
 def _plot(path: Path, title: str, xlabel: str, series: dict[str, pd.Series],
           kind: str = "line") -> Path:
@@ -53,8 +39,10 @@ def _plot(path: Path, title: str, xlabel: str, series: dict[str, pd.Series],
 def write_report(engine: Engine, run: str, out_dir: Path) -> Path:
     """Write the plots and index.html for a run; returns the HTML file."""
     with engine.connect() as conn:
-        steps = pd.read_sql(STEPS, conn, params={"run": run})
-        staleness = pd.read_sql(STALENESS, conn, params={"run": run})
+        steps = pd.DataFrame(step_history(conn, run),
+                             columns=["step", "created_at", "loss", "accuracy", "reward_mean",
+                                      "response_len_mean"])
+        staleness = pd.DataFrame(staleness_counts(conn, run), columns=["staleness", "n"])
     if steps.empty:
         raise StoreError(f"run {run!r} has no train steps to report")
     out_dir = Path(out_dir)

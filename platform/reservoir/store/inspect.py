@@ -46,6 +46,15 @@ SELECT run, task_id, left(task_prompt, 40) AS task_prompt, policy_version, step,
 FROM analytics.lineage WHERE experience_id = :id ORDER BY step NULLS FIRST"""
 
 
+# What `reservoir demo store` runs and shows a newcomer, as they would type it.
+DEMO_RUNS = ("SELECT run, ready, leased, consumed, last_step, latest_version "
+             "FROM analytics.runs WHERE run = :run")
+DEMO_STEPS = ("SELECT step, n_experiences, round(reward_mean::numeric, 3) AS reward_mean, "
+              "response_len_mean FROM analytics.run_steps WHERE run = :run ORDER BY step")
+DEMO_TRAINED = ("SELECT min(experience_id) FROM analytics.lineage WHERE run = :run "
+                "AND step IS NOT NULL")
+
+
 def run_summary(url: str, run: str, *, last_steps: int = 10) -> tuple[Result, Result]:
     summary, steps = asyncio.run(_queries(url, [(RUN_SUMMARY, {"run": run}),
                                                 (RECENT_STEPS, {"run": run, "n": last_steps})]))

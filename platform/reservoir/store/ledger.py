@@ -119,3 +119,25 @@ def last_step(conn: Connection, run_id: int) -> int | None:
     """The run's last committed step (0 is the step RL starts from), None before any."""
     return conn.execute(select(func.max(train_steps.c.step))
                         .where(train_steps.c.run_id == run_id)).scalar()
+
+
+STEP_HISTORY = text("""
+SELECT step, created_at, loss, eval_accuracy AS accuracy, reward_mean, response_len_mean
+FROM analytics.run_steps WHERE run = :run ORDER BY step
+""")
+STALENESS = text("""
+SELECT bi.policy_version - e.policy_version AS staleness, count(*) AS n
+FROM batch_items bi JOIN experiences e ON e.id = bi.experience_id
+JOIN train_steps ts ON ts.id = bi.train_step_id JOIN runs r ON r.id = ts.run_id
+WHERE r.name = :run GROUP BY 1 ORDER BY 1
+""")
+
+
+def step_history(conn: Connection, run: str) -> list[tuple]:
+    """(step, created_at, loss, held-out accuracy, reward mean, response length mean) per step."""
+    return [tuple(row) for row in conn.execute(STEP_HISTORY, {"run": run})]
+
+
+def staleness_counts(conn: Connection, run: str) -> list[tuple[int, int]]:
+    """(staleness in versions, trained rows) of a run's ledger."""
+    return [tuple(row) for row in conn.execute(STALENESS, {"run": run})]

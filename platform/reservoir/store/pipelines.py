@@ -235,6 +235,29 @@ def _insert_children(conn: Connection, changes: Changes) -> None:
         conn.execute(add_inserted(run_id, count))
 
 
+def stored_texts(conn: Connection, digests: set[str], statuses: Sequence[str],
+                 exclude: Sequence[int]) -> dict[str, int]:
+    """{md5 of prompt + 0x1f + response: the lowest id holding that text} among rows in these
+    statuses, other than `exclude` (what store_dedup_filter compares against)."""
+    stored = func.md5(experiences.c.prompt_text.concat("\x1f").concat(experiences.c.response_text))
+    return dict(conn.execute(
+        select(stored, func.min(experiences.c.id))
+        .where(stored.in_(digests), experiences.c.status.in_(list(statuses)),
+               experiences.c.id.not_in(list(exclude)))
+        .group_by(stored)).all())
+
+
+def task_pass_rates(conn: Connection, task_ids: Sequence[int], component: str | None,
+                    threshold: float) -> dict[int, float]:
+    """{task id: the share of its experiences whose `component` (else reward) >= threshold}."""
+    score = (experiences.c.reward_components[component].as_float() if component
+             else experiences.c.reward)
+    passed = func.avg(case((score >= threshold, 1.0), else_=0.0))
+    return dict(conn.execute(select(experiences.c.task_id, passed)
+                             .where(experiences.c.task_id.in_(list(task_ids)))
+                             .group_by(experiences.c.task_id)).all())
+
+
 def run_models(conn: Connection, run_ids: Sequence[int]) -> dict[int, str | None]:
     """The model folder each run records (its tokenizer re-encodes rewritten responses)."""
     return dict(conn.execute(select(runs.c.id, runs.c.model).where(runs.c.id.in_(list(run_ids)))).all())

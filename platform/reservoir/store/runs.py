@@ -121,6 +121,13 @@ def latest_policy(conn: Connection, run_id: int) -> tuple[int, str | None] | Non
     return None if row is None else (row.version, row.location)
 
 
+def latest_versions(conn: Connection, run_ids: list[int]) -> dict[int, int]:
+    """{run id: its latest published version} for runs that published one."""
+    return dict(conn.execute(
+        select(policy_versions.c.run_id, func.max(policy_versions.c.version))
+        .where(policy_versions.c.run_id.in_(run_ids)).group_by(policy_versions.c.run_id)).all())
+
+
 def status_of(conn: Connection, run_id: int) -> str:
     return conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar_one()
 

@@ -29,7 +29,10 @@ from reservoir.store.flow import RateLimit
 from reservoir.store.schema import EXPERIENCE_STATUSES, experiences as e
 from reservoir.store.schema import runs as runs_table
 
-SETTLING = ("raw", "leased", "held")  # a group with a row in these states is not complete yet
+# A group with a row in these states is not complete yet. A row held for review is not among
+# them: people may take days, so the rest of its group trains as a partial group (the lease
+# reports it, the step's metrics count it).
+SETTLING = ("raw", "leased")
 # fifo / lifo order by insertion time, then id: only the partial index experiences_ready
 # (run_id, created_at, id) WHERE status = 'ready' serves that order, so the planner cannot pick
 # a primary-key scan that walks every consumed row ahead of the ready ones.
