@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from sqlalchemy import text
 
 from reservoir.store import migrate
 from reservoir.store.engine import sync_engine
-from tests.commands import key_values, reservoir, scalar
+from tests.commands import RESERVOIR, key_values, reservoir, scalar
 
 
 @pytest.fixture
@@ -132,3 +133,104 @@ def test_pipeline_commands(cli, tmp_path):
     cli("schedule", "add", str(pipeline), "--cron", "*/5 * * * *")
     assert "*/5 * * * *" in cli("schedule", "list")
     cli("schedule", "remove", "gate")
+
+
+# -- issue 8: a quick, tidy CLI ---------------------------------------------------------------
+
+def one_line_error(result) -> str:
+    assert result.returncode == 1, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_sql_binds_with_the_cast_idiom_and_refuses_missing_values_in_one_line(cli):
+    assert cli("sql", "SELECT :x::int + 1 AS y, :x AS raw", "-p", "x=41", "-f", "csv"
+               ).splitlines() == ["y,raw", "42,41"]
+    assert "no value was given (-p x=VALUE)" in one_line_error(cli.raw("sql", "SELECT :x"))
+    assert "syntax error" in one_line_error(cli.raw("sql", "SELECT 1 FRO nope"))
+    assert "not a valid integer" in one_line_error(cli.raw("sql", "SELECT :x::int", "-p", "x=a"))
+
+
+def test_errors_print_as_plain_text(cli):
+    """Rich markup turned ':x:' in an error into an emoji on main."""
+    line = one_line_error(cli.raw("sql", 'SELECT 1 FROM "tbl:x:[bold]"'))
+    assert 'relation "tbl:x:[bold]" does not exist' in line
+
+
+def test_csv_json_and_table_cells_hold_json(cli):
+    query = ("SELECT '{\"a\": 87}'::jsonb AS j, ARRAY[1, 2] AS a, NULL::int AS n, "
+             "timestamptz '2026-11-30 12:00:00.123456+00' AS t")
+    assert cli("sql", query, "-f", "csv").splitlines()[1] == \
+        '"{""a"": 87}","[1, 2]",,2026-11-30 12:00:00+00:00'
+    assert json.loads(cli("sql", query, "-f", "json"))[0]["j"] == {"a": 87}
+    table = cli("sql", query)
+    assert '{"a": 87}' in table and "[1, 2]" in table and "{'a'" not in table
+
+
+def test_tables_stay_readable_at_80_columns(cli, tmp_path):
+    cli("demo", "store", "--groups", "40", "--steps", "2", "--groups-per-step", "4",
+        "--raw-groups", "2")
+    pipeline = tmp_path / "a_rather_long_pipeline_name.yaml"
+    pipeline.write_text("source: {runs: [quickstart]}\nprocess: []\n")
+    cli("pipeline", "run", str(pipeline))
+    narrow = {**os.environ, "RESERVOIR_DB_URL": cli.url, "COLUMNS": "80"}
+    for args in (["inspect", "run", "quickstart"], ["pipeline", "history"],
+                 ["sql", "SELECT * FROM analytics.experiences LIMIT 3"]):
+        out = subprocess.run([str(RESERVOIR), *args], env=narrow, capture_output=True,
+                             text=True, timeout=120).stdout
+        assert max(map(len, out.splitlines())) <= 80, out
+        if args[0] == "inspect":
+            assert re.search(r"│ created_at +│ 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d", out), out
+        if args[0] == "pipeline":
+            assert "a_rather_long_pipeline_name" in out, out
+        if args[0] == "sql":
+            assert "more columns:" in out and "--wide" in out
+    wide = subprocess.run([str(RESERVOIR), "sql", "SELECT * FROM analytics.experiences LIMIT 1",
+                           "--wide"], env=narrow, capture_output=True, text=True).stdout
+    assert "more columns" not in wide and "created_at" in wide
+
+
+def test_read_commands_leave_an_empty_database_empty(new_database, tmp_path):
+    url = new_database()
+    for args in (["sql", "SELECT 1"], ["inspect", "run", "x"], ["pipeline", "history"],
+                 ["schedule", "list"], ["review", "list"]):
+        line = one_line_error(reservoir(*args, url=url, cwd=tmp_path))
+        assert "has no Reservoir schema" in line and "reservoir db upgrade" in line
+    assert scalar(url, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == 0
+
+
+def test_downgrade_to_base_leaves_nothing_of_reservoir(new_database, tmp_path):
+    url = new_database()
+    assert reservoir("db", "upgrade", url=url, cwd=tmp_path).returncode == 0
+    done = reservoir("db", "downgrade", "base", url=url, cwd=tmp_path)
+    assert done.returncode == 0 and "now at revision base" in done.stdout, done.stderr
+    assert scalar(url, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == 0
+    assert scalar(url, "SELECT to_regnamespace('analytics') IS NULL")
+    assert scalar(url, "SELECT count(*) FROM pg_proc WHERE proacl::text LIKE "
+                       "'%reservoir_reader%'") == 0
+
+
+def test_create_run_twice_names_the_run(store):
+    from reservoir.errors import StoreError
+
+    store.create_run("twice")
+    with pytest.raises(StoreError, match="run 'twice' already exists"):
+        store.create_run("twice")
+
+
+def test_run_steps_keep_step_0_and_the_evaluations(store):
+    from reservoir.store.inspect import run_sql
+    from reservoir.store.ledger import add_step_metrics, record_step
+    from tests.factories import fill
+
+    run_id = store.create_run("e", group_size=4)
+    with store.engine.begin() as conn:
+        record_step(conn, run_id, 0, policy_version=0, metrics={"eval/accuracy": 0.25})
+    fill(store, "e", 1)
+    store.commit_step(store.lease("e", groups=1), step=1, policy_version=0)
+    with store.engine.begin() as conn:
+        add_step_metrics(conn, run_id, 1, {"eval/accuracy": 0.5})
+    rows = run_sql(store.url, "SELECT step, n_experiences, eval_accuracy FROM "
+                              "analytics.run_steps ORDER BY step", as_reader=True).rows
+    assert rows == [(0, 0, 0.25), (1, 4, 0.5)]

@@ -44,6 +44,9 @@ REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} FROM PUBLIC;
 """
 
+# The role is the cluster's, shared by every Reservoir database on the server: downgrading one
+# database gives back this database's privileges and leaves the login as it is (revision 0002's
+# downgrade drops the role once no database uses it).
 DOWNGRADE = f"""
 GRANT EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} TO PUBLIC;
 DO $$ BEGIN
@@ -52,8 +55,6 @@ DO $$ BEGIN
     GRANT CREATE ON SCHEMA public TO PUBLIC;
   END IF;
 END $$;
-ALTER ROLE reservoir_reader RESET ALL;
-ALTER ROLE reservoir_reader WITH NOLOGIN CONNECTION LIMIT -1;
 """
 
 

@@ -231,6 +231,10 @@ CONVERTERS = {
     "json": _json_text, "jsonb": _json_text,
 }
 NUMBERS = {int: (int,), float: (int, float), decimal.Decimal: (int, float)}
+PLAIN_NAMES = {"int2": "integer", "int4": "integer", "int8": "integer", "oid": "integer",
+               "float4": "number", "float8": "number", "numeric": "number", "bool": "boolean",
+               "uuid": "UUID", "date": "ISO date", "timestamp": "ISO date and time",
+               "timestamptz": "ISO date and time", "json": "JSON text", "jsonb": "JSON text"}
 
 
 def convert(name: str, value: Any, type_name: str, kind: str) -> Any:
@@ -251,7 +255,10 @@ def convert(name: str, value: Any, type_name: str, kind: str) -> Any:
             raise ValueError(f"no conversion to {type_name}; cast it in the SQL, e.g. "
                              f":{name}::text::{type_name}")
         if isinstance(value, str) or converter is _json_text:
-            return converter(value)
+            try:
+                return converter(value)
+            except (ValueError, TypeError, ArithmeticError):
+                raise ValueError(f"not a valid {PLAIN_NAMES.get(type_name, type_name)}") from None
         if isinstance(value, bool):
             if converter is _boolean:
                 return value
