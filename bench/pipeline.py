@@ -31,7 +31,7 @@ from reservoir.pipeline.bridge import build_steps
 from reservoir.pipeline.runner import _to_dataset_row, run_pipeline
 from reservoir.pipeline.spec import parse_pipeline
 from reservoir.store import Experience, Store
-from reservoir.store.pipelines import select_rows
+from reservoir.store.source import Source, select_rows
 
 PROCESS = [
     {"whitespace_normalization_mapper": {}},
@@ -93,14 +93,13 @@ def main() -> None:
     run = f"bench-pipeline-{uuid.uuid4().hex[:6]}"
     spec = parse_pipeline({"name": "bench", "source": {"runs": [run], "status": ["raw"]},
                            "process": PROCESS})
-    with Store.open(ReservoirConfig(store=StoreConfig(url=args.db_url)), quiet=True) as store:
+    with Store.open(ReservoirConfig(store=StoreConfig(url=args.db_url)), quiet=True,
+                    migrate=True) as store:
         run_id = store.create_run(run, group_size=4)
         with console.status(f"writing {args.rows:,} rows"):
             store.write_groups(groups(run, args.rows), status="raw")
-        with store.engine.begin() as conn:
-            rows = [_to_dataset_row(r) for r in select_rows(
-                conn, "experiences", run_ids=[run_id], statuses=["raw"], where=None, params={},
-                order_by=("created_at", "id"), limit=None)]
+        rows = [_to_dataset_row(r) for r in select_rows(
+            store.url, Source(run_ids=[run_id], statuses=["raw"]))]
         ours, theirs, kept = [], [], None
         for repeat in range(args.repeat):
             with console.status(f"repeat {repeat + 1}/{args.repeat}"):

@@ -88,7 +88,7 @@ def run_reservoir(mode: str, model: Path, task_file: Path, scratch: Path, args) 
     started = time.perf_counter()
     pool.run(config, console=Console(quiet=True))
     wall_s = time.perf_counter() - started
-    with Store.open(config, quiet=True) as store, store.engine.connect() as conn:
+    with Store.open(config, quiet=True, migrate=True) as store, store.engine.connect() as conn:
         rows = conn.execute(text(
             "SELECT extract(epoch FROM t.created_at - s.created_at), t.metrics ->> 'reward_mean' "
             "FROM train_steps t JOIN runs r ON r.id = t.run_id JOIN train_steps s "

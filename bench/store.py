@@ -64,7 +64,8 @@ TOKENS = 256
 VOCAB = 32_000
 TARGET = 0.8
 RETURNED = ("id, run_id, task_id, group_id, policy_version, reward, reward_components, "
-            "times_sampled, prompt_ids, response_ids, logprobs, action_mask, leased_until")
+            "times_sampled, prompt_ids, response_ids, logprobs, action_mask, shaped_reward, "
+            "leased_until")
 console = Console(width=None if sys.stdout.isatty() else 120)
 
 
@@ -109,7 +110,8 @@ class Pool:
         out = []
         for group in self.encoded[start:stop]:
             group_id = uuid.uuid4()
-            out.extend((run_id, group_id, "ready", None, 0, *row, "{}", None) for row in group)
+            out.extend((run_id, group_id, index, "ready", None, 0, *row, "{}", None)
+                       for index, row in enumerate(group))
         return out
 
 
@@ -558,7 +560,7 @@ def run_bench(store: Store, bare: Bare, run: str, run_id: int, args) -> dict[str
 def main() -> None:
     args = parse_args()
     config = ReservoirConfig(store=StoreConfig(url=args.url), sampler=SamplerConfig(unit="rows"))
-    store = Store.open(config)
+    store = Store.open(config, migrate=True)
     bare = Bare(store.url)
     run = f"bench-{int(time.time())}"
     run_id = store.create_run(run, group_size=args.group_size)

@@ -103,16 +103,19 @@ def _keep_groups_whole(originals: dict, final: list[dict], trace: Trace, failing
             "not picked" if row_id in trace.unselected else "failed validation")
         lost.setdefault(originals[row_id]["group_id"], f"experience {row_id} of its group "
                         f"was {why}")
+    unheld = set()
     for row in final:
         row_id, group = row["id"], row["group_id"]
         if group in lost and row_id not in failing and changes.statuses.get(row_id) != "quarantined":
             changes.statuses[row_id] = "quarantined"
-            changes.held.pop(row_id, None)
-            changes.events = [e for e in changes.events
-                              if not (e["experience_id"] == row_id and e["kind"] == "held")]
+            if changes.held.pop(row_id, None) is not None:
+                unheld.add(row_id)
             changes.events.append(Trace.event(
                 row_id, WHOLE_GROUPS, "quarantined", f"{lost[group]}; groups train whole "
                 "(output.partial_groups: keep trains the rest)", {"group_id": group}))
+    if unheld:  # a partner quarantined is not held for review after all
+        changes.events = [e for e in changes.events
+                          if not (e["kind"] == "held" and e["experience_id"] in unheld)]
     changes.broken_groups = {uuid.UUID(group): reason for group, reason in lost.items()}
 
 

@@ -70,7 +70,8 @@ def ensure_schema(engine: Engine, *, create: bool = True) -> str | None:
         return None
     if state.current is None:
         if not create:
-            raise StoreError(f"{redact(str(engine.url.render_as_string(hide_password=False)))} "
+            plain = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            raise StoreError(f"{redact(plain)} "
                              "has no Reservoir schema: `reservoir db upgrade` creates it; "
                              "nothing was changed")
         upgrade(engine)
