@@ -147,6 +147,9 @@ def one_line_error(result) -> str:
 def test_sql_binds_with_the_cast_idiom_and_refuses_missing_values_in_one_line(cli):
     assert cli("sql", "SELECT :x::int + 1 AS y, :x AS raw", "-p", "x=41", "-f", "csv"
                ).splitlines() == ["y,raw", "42,41"]
+    typed = cli("sql", "SELECT :ids::int[] AS a, :b::bool AS b, :j::jsonb AS j", "-p",
+                "ids=[1, 2]", "-p", "b=yes", "-p", 'j={"k": [1]}', "-f", "csv")
+    assert typed.splitlines()[1] == '"[1, 2]",True,"{""k"": [1]}"'
     assert "no value was given (-p x=VALUE)" in one_line_error(cli.raw("sql", "SELECT :x"))
     assert "syntax error" in one_line_error(cli.raw("sql", "SELECT 1 FRO nope"))
     assert "not a valid integer" in one_line_error(cli.raw("sql", "SELECT :x::int", "-p", "x=a"))

@@ -249,7 +249,8 @@ def convert(name: str, value: Any, type_name: str, kind: str) -> Any:
             items = json.loads(value) if isinstance(value, str) else value
             if not isinstance(items, (list, tuple)):
                 raise ValueError("not a list (write it as JSON, e.g. [1, 2])")
-            return [convert(name, item, type_name.removeprefix("_"), "scalar") for item in items]
+            element = type_name.removesuffix("[]").removeprefix("_")
+            return [convert(name, item, element, "scalar") for item in items]
         converter = CONVERTERS.get(type_name)
         if converter is None:
             raise ValueError(f"no conversion to {type_name}; cast it in the SQL, e.g. "
