@@ -330,3 +330,13 @@ def test_augment_keeps_the_row_and_inserts_a_child_with_a_parent_link(tmp_path, 
     assert change["fields"]["response_text"] == {"before": parents[0].response_text,
                                                  "after": children[0].response_text}
     assert rows(store, "SELECT rows_inserted FROM runs") == [(8,)]  # flow control counts them
+
+
+def test_a_limit_takes_whole_groups(store):
+    store.create_run("p", group_size=4)
+    store.write_groups([make_group("p", seed=i) for i in range(3)], status="raw")
+    result = run_pipeline(store, parse_pipeline({"name": "first", "process": [], "source": {
+        "runs": ["p"], "limit": 5}}))
+    assert result.rows_in == 8  # 5 rows reach into the second group: all of it comes along
+    assert rows(store, "SELECT status, count(*) FROM experiences GROUP BY 1 ORDER BY 1") == [
+        ("raw", 4), ("ready", 8)]

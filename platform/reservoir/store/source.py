@@ -31,7 +31,8 @@ WHERE (cardinality($1::bigint[]) = 0 OR run_id = ANY($1::bigint[])) AND status =
 AND (
 {sql}
 )"""
-ROWS = """WITH picked AS (
+ROWS = "SELECT {fields} FROM experiences e WHERE {filters} ORDER BY {order}"
+ROWS_OF_WHOLE_GROUPS = """WITH picked AS (
     SELECT id, group_id FROM experiences e WHERE {filters} ORDER BY {order} LIMIT $4
 )
 SELECT {fields} FROM experiences e
@@ -87,7 +88,10 @@ async def _select(url: str, source: Source) -> list[dict[str, Any]]:
                 except usersql.UserSQLError as exc:
                     raise usersql.UserSQLError(f"source.where: {exc}") from None
                 ids = [row[0] for row in found.rows]
-            sql = ROWS.format(filters=FILTERS, order=order_clause(source.order_by),
-                              fields=", ".join(f"e.{name}" for name in FIELDS))
-            records = await conn.fetch(sql, run_ids, statuses, ids, source.limit)
+            limited = source.limit is not None
+            sql = (ROWS_OF_WHOLE_GROUPS if limited else ROWS).format(
+                filters=FILTERS, order=order_clause(source.order_by),
+                fields=", ".join(f"e.{name}" for name in FIELDS))
+            args = (run_ids, statuses, ids) + ((source.limit,) if limited else ())
+            records = await conn.fetch(sql, *args)
     return [dict(record) for record in records]
