@@ -237,3 +237,18 @@ def test_run_steps_keep_step_0_and_the_evaluations(store):
     rows = run_sql(store.url, "SELECT step, n_experiences, eval_accuracy FROM "
                               "analytics.run_steps ORDER BY step", as_reader=True).rows
     assert rows == [(0, 0, 0.25), (1, 4, 0.5)]
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://no_such_role@127.0.0.1:5432/test",
+    "postgresql://postgres@no-such-host.invalid:5432/test",
+    "postgresql://postgres@127.0.0.1:5432/test?sslmode=bogus",
+    "postgresql://postgres:secret@127.0.0.1:1/test",
+    "mysql://root@127.0.0.1/test",
+])
+@pytest.mark.parametrize("args", [("sql", "SELECT 1"), ("db", "status"), ("pipeline", "history"),
+                                  ("inspect", "run", "x")])
+def test_a_bad_server_url_is_one_line_without_its_password(tmp_path, url, args):
+    """Issue 8: main printed a 143-line traceback."""
+    line = one_line_error(reservoir(*args, url=url, cwd=tmp_path))
+    assert "secret" not in line
