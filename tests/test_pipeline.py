@@ -340,3 +340,20 @@ def test_a_limit_takes_whole_groups(store):
     assert result.rows_in == 8  # 5 rows reach into the second group: all of it comes along
     assert rows(store, "SELECT status, count(*) FROM experiences GROUP BY 1 ORDER BY 1") == [
         ("raw", 4), ("ready", 8)]
+
+
+@pytest.mark.parametrize("query, reason", [
+    ("WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) "
+     "SELECT * FROM {batch}, r", "ran longer than"),
+    ("SELECT * FROM {batch}; DELETE FROM batch", "syntax error"),
+])
+def test_custom_sql_checks_only_read_and_stop(store, monkeypatch, query, reason):
+    from reservoir.pipeline import validate
+
+    monkeypatch.setattr(validate, "CUSTOM_SQL_TIMEOUT_S", 0.5)
+    mixed_rows(store)
+    spec = parse_pipeline({**CLEAN, "process": [], "validate": {"expectations": [
+        {"unexpected_rows_expectation": {"unexpected_rows_query": query}}]}})
+    with pytest.raises(ReservoirError, match=reason):
+        run_pipeline(store, spec)
+    assert rows(store, "SELECT DISTINCT status FROM experiences") == [("raw",)]

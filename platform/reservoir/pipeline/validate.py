@@ -15,7 +15,8 @@ Expectations are written as in great-expectations' own docs, by snake_case type 
 
 They run in an ephemeral context (no project files) on the batch as a DataFrame, with every
 failing row's id; `unexpected_rows_expectation` runs on a SQLite copy of the batch, since
-great-expectations runs custom SQL only on SQL sources. A NaN reward counts as missing for
+great-expectations runs custom SQL only on SQL sources; each query is first tried on a
+read-only connection that allows only SELECT and stops it after 30 s. A NaN reward counts as missing for
 `expect_column_values_to_be_between` (pandas semantics): pair it with not-null to fail NaN.
 """
 
@@ -26,6 +27,7 @@ import math
 import sqlite3
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,12 +145,40 @@ def _run_pandas(frame: pd.DataFrame, specs) -> list[Outcome]:
     return _run(gx, context, batch, specs, {"dataframe": frame})
 
 
+CUSTOM_SQL_TIMEOUT_S = 30.0
+_READING = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+            getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
+
+
+def _try_custom_sql(path: Path, specs) -> None:
+    """Run each custom query first on a connection of our own that only reads (an authorizer
+    refuses anything but SELECT) and stops after CUSTOM_SQL_TIMEOUT_S (a recursive CTE could
+    loop forever; great-expectations has no timeout): a query that fails here fails the
+    pipeline with one line before great-expectations runs it."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in _READING
+                            else sqlite3.SQLITE_DENY)
+        deadline = time.monotonic() + CUSTOM_SQL_TIMEOUT_S
+        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+        for _, kwargs in specs:
+            query = str(kwargs.get("unexpected_rows_query", "")).replace("{batch}", "batch")
+            try:
+                conn.execute(f"SELECT COUNT(*) FROM ({query}) AS checked").fetchall()
+            except sqlite3.Error as exc:
+                reason = "it ran longer than 30 s" if "interrupted" in str(exc) else str(exc)
+                raise ConfigError(f"{CUSTOM_SQL} {query!r}: {reason}") from None
+    finally:
+        conn.close()
+
+
 def _run_sqlite(frame: pd.DataFrame, specs) -> list[Outcome]:
     gx, context = _context()
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "batch.sqlite"
         with sqlite3.connect(path) as conn:
             _sql_safe(frame).to_sql("batch", conn, index=False)
+        _try_custom_sql(path, specs)
         batch = (context.data_sources.add_sqlite("batch", connection_string=f"sqlite:///{path}")
                  .add_table_asset("batch", table_name="batch").add_batch_definition_whole_table("all"))
         return _run(gx, context, batch, specs, {})
