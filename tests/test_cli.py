@@ -114,7 +114,7 @@ def test_pipeline_commands(cli, tmp_path):
     cli("demo", "store", "--groups", "50", "--raw-groups", "20", "--steps", "1")
     pipeline = tmp_path / "gate.yaml"
     pipeline.write_text("source: {runs: [quickstart]}\nprocess:\n  - group_variance_filter: {}\n")
-    assert "is valid: 1 operators (group_variance_filter)" in cli("pipeline", "check",
+    assert "is valid: 1 operator (group_variance_filter)" in cli("pipeline", "check",
                                                                   str(pipeline))
     assert "would change (dry run, nothing was written)" in cli("pipeline", "run", str(pipeline),
                                                                 "--dry-run")

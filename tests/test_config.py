@@ -108,3 +108,9 @@ def test_resolved_url_prefers_store_url_over_environment(monkeypatch):
     assert StoreConfig().resolved_url() == "postgresql://env/db"
     monkeypatch.setenv(DB_URL_ENV, "")
     assert StoreConfig().resolved_url() is None
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_number_that_is_not_finite_is_called_so(write, value):
+    message = config_error(write(f"explorer:\n  temperature: {value}\n"))
+    assert "explorer.temperature (line 2): must be a finite number" in message

@@ -181,6 +181,8 @@ def bad_pipelines() -> list[str]:
         "validate:\n  expectations:\n    - expect_column_values_to_be_between: {colum: reward}\n",
         "process: []\nprocess: []\n", "source: {runs: [a]}\nsource: {runs: [b]}\n",
         "name: 'bad name'\n", "- just a list\n", "process: [\n", "\x00\n", "text_key: [1]\n",
+        "mode: stream\nprocess:\n  - topk_specified_field_selector: {field_key: reward, "
+        "topk: 1}\n",
     ]
     return cases
 

@@ -3,11 +3,15 @@ read-only by default."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
 from reservoir.errors import StoreError
 from reservoir.store.inspect import run_sql
 from reservoir.store.tasks import add_tasks
+from tests.commands import RESERVOIR
 from tests.factories import fill
 
 BASE_TABLES = ["runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items",
@@ -82,3 +86,57 @@ def test_run_sql_is_read_only_unless_write(trained):
     assert run_sql(trained.url, "SELECT count(*) FROM batch_items").rows == [(4,)]
     assert run_sql(trained.url, "DELETE FROM batch_items", write=True).rowcount == 4
     assert run_sql(trained.url, "SELECT count(*) FROM batch_items").rows == [(0,)]
+
+
+def test_the_scram_verifier_is_the_one_libpq_computes(store):
+    """Same salt and iterations, same keys as libpq's PQencryptPasswordConn."""
+    import base64
+
+    from psycopg2.extensions import encrypt_password
+
+    from reservoir.store.roles import scram_verifier
+
+    with store.engine.connect() as conn:
+        libpq = encrypt_password("pencil s3cret", "reservoir_reader",
+                                 conn.connection.dbapi_connection, "scram-sha-256")
+    iterations, salt = libpq.split("$")[1].split(":")
+    ours = scram_verifier("pencil s3cret", salt=base64.b64decode(salt),
+                          iterations=int(iterations))
+    assert ours == libpq
+
+
+def test_reader_password_sets_a_scram_verifier(cli, monkeypatch):
+    """Issue 8 review: the command failed (text() read ':ServerKey' as a parameter)."""
+    out = subprocess.run([str(RESERVOIR), "db", "reader-password"], capture_output=True,
+                         text=True, env={**os.environ, "RESERVOIR_DB_URL": cli.url,
+                                         "RESERVOIR_READER_PASSWORD": "a:b'c"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "a:b'c" not in out.stdout + out.stderr
+    stored = run_sql(cli.url, "SELECT rolpassword FROM pg_authid "
+                              "WHERE rolname = 'reservoir_reader'").rows[0][0]
+    assert stored.startswith("SCRAM-SHA-256$4096:")
+    run_sql(cli.url, "ALTER ROLE reservoir_reader PASSWORD NULL", write=True)
+
+
+def test_upgrade_stops_when_the_reader_could_still_write(new_database, template_db):
+    """A role that does not own lo_from_bytea cannot revoke it from PUBLIC (PostgreSQL only
+    warns): migration 0006 checks what the reader can do and stops with the fix."""
+    from sqlalchemy import text
+
+    from reservoir.store import migrate
+    from reservoir.store.engine import sync_engine
+
+    engine = sync_engine(new_database(template_db))
+    migrate.downgrade(engine, "0005")
+    with engine.begin() as conn:
+        conn.execute(text("GRANT EXECUTE ON FUNCTION lo_from_bytea(oid, bytea) "
+                          "TO reservoir_reader"))
+    with pytest.raises(Exception, match="reservoir_reader could still write.*superuser run once"):
+        migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == "0005"
+    with engine.begin() as conn:
+        conn.execute(text("REVOKE EXECUTE ON FUNCTION lo_from_bytea(oid, bytea) "
+                          "FROM reservoir_reader"))
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    engine.dispose()

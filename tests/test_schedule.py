@@ -45,13 +45,16 @@ def test_add_checks_cron_and_pipeline(tmp_path, store, pipeline):
     stream.write_text("mode: stream\nprocess: []\n")
     with pytest.raises(ConfigError, match="mode is stream"):
         add_schedule(store, stream, "* * * * *")
-    add_schedule(store, pipeline, "*/5 * * * *")
+    assert add_schedule(store, pipeline, "*/5 * * * *")[1] == "*/5 * * * *"
     name, future = one(store, "SELECT name, next_run_at > now() FROM schedules")
+    scheduled = tmp_path / "nightly.yaml"
+    scheduled.write_text("schedule: '0 3 * * *'\nsource: {runs: [s]}\nprocess: []\n")
+    assert add_schedule(store, scheduled)[1] == "0 3 * * *"  # the file's schedule key
     assert (name, future) == ("clean", True)
 
 
 def test_a_locked_schedule_is_left_to_its_holder_and_runs_once(store, pipeline):
-    schedule_id = add_schedule(store, pipeline, "* * * * *")
+    schedule_id, _ = add_schedule(store, pipeline, "* * * * *")
     make_due(store)
     with store.engine.begin() as other:
         assert lock_if_due(other, schedule_id)  # another scheduler is running it

@@ -44,6 +44,22 @@ REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} FROM PUBLIC;
 """
 
+# A role that does not own the large-object functions (any role but a superuser) gets only a
+# warning from REVOKE: check what the reader can do, and stop with the fix if it can write.
+CHECK = f"""
+DO $$ BEGIN
+  IF has_function_privilege('reservoir_reader', 'lo_from_bytea(oid, bytea)', 'EXECUTE')
+     OR has_database_privilege('reservoir_reader', current_database(), 'TEMPORARY')
+     OR has_schema_privilege('reservoir_reader', 'public', 'CREATE') THEN
+    RAISE EXCEPTION 'reservoir_reader could still write (large objects, temporary tables or '
+      'the public schema): this role may not revoke that from PUBLIC. Have a superuser run '
+      'once: REVOKE EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} FROM PUBLIC; REVOKE '
+      'TEMPORARY ON DATABASE % FROM PUBLIC; REVOKE CREATE ON SCHEMA public FROM PUBLIC; then '
+      'run `reservoir db upgrade` again', current_database();
+  END IF;
+END $$;
+"""
+
 # The role is the cluster's, shared by every Reservoir database on the server: downgrading one
 # database gives back this database's privileges and leaves the login as it is (revision 0002's
 # downgrade drops the role once no database uses it).
@@ -70,6 +86,7 @@ def _scrub(value):
 
 def upgrade() -> None:
     op.execute(UPGRADE)
+    op.execute(CHECK)
     conn = op.get_bind()
     for run_id, config in conn.execute(sa.text("SELECT id, config FROM runs")).all():
         clean = _scrub(config)

@@ -93,7 +93,8 @@ def inspect_run(name: str, steps: int = typer.Option(10, min=1, max=10_000,
     from reservoir.cli_output import print_record, print_table
     from reservoir.store.inspect import run_summary
 
-    summary, recent = run_summary(target(config).url, name, last_steps=steps)
+    where = target(config)
+    summary, recent = run_summary(where.url, name, last_steps=steps, timeout_s=where.timeout_s)
     print_record(console, dict(zip(summary.columns, summary.rows[0])), title=f"run {name}",
                  wide=wide, skip=("config",))
     print_table(console, recent.columns, recent.rows, title="recent train steps", wide=wide)
@@ -106,7 +107,8 @@ def inspect_experience(experience_id: int, wide: bool = WideOption,
     from reservoir.cli_output import print_record, print_table
     from reservoir.store.inspect import experience_detail
 
-    row, lineage = experience_detail(target(config).url, experience_id)
+    where = target(config)
+    row, lineage = experience_detail(where.url, experience_id, timeout_s=where.timeout_s)
     print_record(console, dict(zip(row.columns, row.rows[0])),
                  title=f"experience {experience_id}", wide=wide)
     print_table(console, lineage.columns, lineage.rows, title="lineage", wide=wide)

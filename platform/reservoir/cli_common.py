@@ -57,6 +57,10 @@ def target(path: Optional[Path]) -> Target:
                   store.query_timeout_s)
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def fail(message: str, code: int = 1) -> None:
     """One plain line on stderr (no markup: a ':x:' stays ':x:'), then exit."""
     sys.stderr.write(f"error: {' '.join(message.split())}\n")

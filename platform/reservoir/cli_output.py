@@ -78,8 +78,9 @@ def print_table(console: Console, columns: Sequence[str], rows: Sequence[Sequenc
         table.add_row(*[row[i] for i in shown])
     hidden = [name for i, name in enumerate(columns) if i not in shown]
     if hidden:
-        table.caption = (f"{len(hidden)} more columns: {', '.join(hidden)} "
-                         "(--wide or --format csv shows them)")
+        table.caption = (f"{len(hidden)} more column{'s' if len(hidden) > 1 else ''}: "
+                         f"{', '.join(hidden)} (--wide or --format csv shows "
+                         f"{'them' if len(hidden) > 1 else 'it'})")
         table.caption_justify = "left"
     console.print(table)
 

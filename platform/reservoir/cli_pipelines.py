@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from reservoir.cli_common import ConfigOption, WideOption, _config, _open, console
+from reservoir.cli_common import ConfigOption, WideOption, _config, _open, console, plural
 from reservoir.errors import ReservoirError
 
 pipeline_app = typer.Typer(help="Data pipelines: operator YAML run against the store.",
@@ -23,9 +23,9 @@ def pipeline_check(file: Path = typer.Argument(..., help="Pipeline YAML.")) -> N
     from reservoir.pipeline.check import check_file
 
     spec, steps = check_file(file)
-    console.print(f"{file}: pipeline {spec.name!r} is valid: {len(steps)} operators "
+    console.print(f"{file}: pipeline {spec.name!r} is valid: {plural(len(steps), 'operator')} "
                   f"({', '.join(step.name for step in steps) or 'none'}), "
-                  f"{len(spec.validate_.expectations)} expectations")
+                  f"{plural(len(spec.validate_.expectations), 'expectation')}")
 
 
 @pipeline_app.command("run")
@@ -98,8 +98,8 @@ def schedule_add(file: Path = typer.Argument(..., help="Pipeline YAML (mode: onc
     from reservoir.pipeline.schedule import add_schedule
 
     with _open(config, migrate=True) as store:
-        schedule_id = add_schedule(store, file, cron, name)
-    console.print(f"schedule {schedule_id}: {file} at '{cron}'")
+        schedule_id, cron = add_schedule(store, file, cron, name)
+    console.print(f"schedule {schedule_id}: {file} at '{cron}'", highlight=False)
 
 
 @schedule_app.command("list")
@@ -108,7 +108,7 @@ def schedule_list(wide: bool = WideOption, config: Optional[Path] = ConfigOption
     from reservoir.cli_output import print_table
     from reservoir.store.schedules import listed
 
-    columns = ("name", "cron", "next_run_at", "last_run_at", "missed_runs", "enabled",
+    columns = ("schedule", "cron", "next_run_at", "last_run_at", "missed_runs", "enabled",
                "pipeline_file")
     with _open(config) as store, store.engine.connect() as conn:
         found = listed(conn)

@@ -7,6 +7,7 @@ Every default lives here, once.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from pathlib import Path
@@ -33,6 +34,8 @@ def _run_name(value: str) -> str:
 def _not_bool(value):
     if isinstance(value, bool):
         raise ValueError("a number, not true or false")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number")
     return value
 
 

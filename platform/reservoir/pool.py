@@ -36,25 +36,26 @@ def run(config: ReservoirConfig, *, resume: bool = False,
 
     console = console or Console()
     config = _prepared(config)
-    with Store.open(config, migrate=True) as store, _ray(config):
-        ensure_run(store, config, resume=resume)
-        trainer = _actor(TrainerWorker).remote(config, resume=resume,
-                                               evaluate=partial(held_out_accuracy, config))
-        explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
-                     for index in range(config.explorer.workers)]
-        streams = [_actor(PipelineWorker, EXPLORER_RESTARTS).remote(config, path,
-                                                                    [config.run.name])
-                   for path in config.pipelines]
-        workers = [trainer, *explorers, *streams]
-        done, explored = trainer.run.remote(), [w.run.remote() for w in explorers]
-        streamed = [w.run.remote() for w in streams]
-        _supervise(Monitor(store.engine, config.run.name, config.trainer.steps), console,
-                   finished=lambda wait: bool(ray.wait([done], timeout=wait)[0]),
-                   stop=lambda: [w.request_stop.remote() for w in workers])
-        summary = _unwrap(lambda: ray.get(done))
-        for worker in workers[1:]:
-            worker.request_stop.remote()
-        _report(explored + streamed, console)
+    with Store.open(config, migrate=True) as store:
+        ensure_run(store, config, resume=resume)  # a refusal comes before Ray starts
+        with _ray(config):
+            trainer = _actor(TrainerWorker).remote(config, resume=resume,
+                                                   evaluate=partial(held_out_accuracy, config))
+            explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
+                         for index in range(config.explorer.workers)]
+            streams = [_actor(PipelineWorker, EXPLORER_RESTARTS).remote(config, path,
+                                                                        [config.run.name])
+                       for path in config.pipelines]
+            workers = [trainer, *explorers, *streams]
+            done, explored = trainer.run.remote(), [w.run.remote() for w in explorers]
+            streamed = [w.run.remote() for w in streams]
+            _supervise(Monitor(store.engine, config.run.name, config.trainer.steps), console,
+                       finished=lambda wait: bool(ray.wait([done], timeout=wait)[0]),
+                       stop=lambda: [w.request_stop.remote() for w in workers])
+            summary = _unwrap(lambda: ray.get(done))
+            for worker in workers[1:]:
+                worker.request_stop.remote()
+            _report(explored + streamed, console)
     return summary
 
 

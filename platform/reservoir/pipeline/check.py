@@ -28,6 +28,11 @@ def check_spec(spec: PipelineSpec) -> list[Step]:
     """Operators built (names, arguments, ranges checked) and expectations on known columns."""
     steps = build_steps(spec.operators, spec.text_key)
     check_specs(spec.validate_.expectations, row_columns(spec))
+    selectors = [step.name for step in steps if step.kind == "selector"]
+    if selectors and spec.mode == "stream" and spec.output.unselected == "keep":
+        raise ConfigError(f"process ({selectors[0]}): a stream pipeline that keeps unselected "
+                          "rows in their status would select among them again forever; set "
+                          "output.unselected: retired")
     return steps
 
 

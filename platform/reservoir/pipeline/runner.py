@@ -60,7 +60,6 @@ def run_pipeline(store: Store, spec: PipelineSpec, *, runs: list[str] | None = N
                  progress: Callable[[str], None] | None = None) -> PipelineResult:
     """Run once; raises PipelineFailed (or ConfigError before anything is written)."""
     steps = check_spec(spec)
-    _check_selectors(spec, steps)
     with store.engine.connect() as conn:
         run_ids = [run_id_of(conn, name) for name in (runs or spec.source.runs)]
     with store.engine.connect() as session:  # held open: its life is the run's
@@ -82,14 +81,6 @@ def run_pipeline(store: Store, spec: PipelineSpec, *, runs: list[str] | None = N
                 raise
             raise PipelineFailed(f"pipeline {spec.name!r} failed, nothing was changed "
                                  f"(pipeline run {pipeline_run}): {_describe(exc)}") from exc
-
-
-def _check_selectors(spec: PipelineSpec, steps: list[Step]) -> None:
-    selectors = [step.name for step in steps if step.kind == "selector"]
-    if selectors and spec.mode == "stream" and spec.output.unselected == "keep":
-        raise ConfigError(f"process ({selectors[0]}): a stream pipeline that keeps unselected "
-                          "rows in their status would select among them again forever; set "
-                          "output.unselected: retired")
 
 
 def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):

@@ -43,7 +43,7 @@ def missed_times(cron: str, due: datetime, now: datetime) -> int:
 def add_schedule(store: Store, file: Path, cron: str | None = None,
                  name: str | None = None) -> int:
     """Check the pipeline and the cron expression (given, else the file's `schedule`), then
-    schedule it; its first run is the next due time."""
+    schedule it; its first run is the next due time. Returns (schedule id, the cron used)."""
     spec, _ = check_file(file)
     cron = cron or spec.schedule
     if cron is None:
@@ -55,8 +55,10 @@ def add_schedule(store: Store, file: Path, cron: str | None = None,
         raise ConfigError(f"{file}: mode is stream, which runs continuously; schedule a "
                           "pipeline with mode: once")
     with store.engine.begin() as conn:
-        return queries.add(conn, name=name or spec.name, pipeline_file=str(Path(file).resolve()),
-                           cron=cron, next_run_at=next_time(cron, datetime.now(timezone.utc)))
+        schedule_id = queries.add(conn, name=name or spec.name,
+                                  pipeline_file=str(Path(file).resolve()), cron=cron,
+                                  next_run_at=next_time(cron, datetime.now(timezone.utc)))
+    return schedule_id, cron
 
 
 def run_due(store: Store, console: Console) -> list[int]:

@@ -55,18 +55,22 @@ DEMO_TRAINED = ("SELECT min(experience_id) FROM analytics.lineage WHERE run = :r
                 "AND step IS NOT NULL")
 
 
-def run_summary(url: str, run: str, *, last_steps: int = 10) -> tuple[Result, Result]:
+def run_summary(url: str, run: str, *, last_steps: int = 10,
+                timeout_s: float = usersql.DEFAULT_TIMEOUT_S) -> tuple[Result, Result]:
     summary, steps = asyncio.run(_queries(url, [(RUN_SUMMARY, {"run": run}),
-                                                (RECENT_STEPS, {"run": run, "n": last_steps})]))
+                                                (RECENT_STEPS, {"run": run, "n": last_steps})],
+                                          timeout_s=timeout_s))
     if not summary.rows:
         raise StoreError(f"run {run!r} does not exist (`reservoir sql \"SELECT run FROM "
                          "analytics.runs\"` lists them)")
     return summary, steps
 
 
-def experience_detail(url: str, experience_id: int) -> tuple[Result, Result]:
+def experience_detail(url: str, experience_id: int,
+                      timeout_s: float = usersql.DEFAULT_TIMEOUT_S) -> tuple[Result, Result]:
     row, lineage = asyncio.run(_queries(url, [(EXPERIENCE, {"id": experience_id}),
-                                              (LINEAGE, {"id": experience_id})]))
+                                              (LINEAGE, {"id": experience_id})],
+                                        timeout_s=timeout_s))
     if not row.rows:
         raise StoreError(f"experience {experience_id} does not exist")
     return row, lineage

@@ -263,7 +263,7 @@ def run_models(conn: Connection, run_ids: Sequence[int]) -> dict[int, str | None
     return dict(conn.execute(select(runs.c.id, runs.c.model).where(runs.c.id.in_(list(run_ids)))).all())
 
 
-HISTORY_COLUMNS = ("id", "pipeline", "status", "rows_in", "rows_out", "rows_dropped",
+HISTORY_COLUMNS = ("pipeline_run_id", "pipeline", "status", "rows_in", "rows_out", "rows_dropped",
                    "duration_s", "started_at", "trigger", "error")
 
 
@@ -271,8 +271,8 @@ def history(conn: Connection, pipeline: str | None, limit: int) -> list[dict[str
     """Recent runs, newest first; a running row whose session is gone reads `abandoned`."""
     status = case((and_(pipeline_runs.c.status == "running", SESSION_GONE), "abandoned"),
                   else_=pipeline_runs.c.status).label("status")
-    stmt = select(pipeline_runs.c.id, pipeline_runs.c.pipeline, pipeline_runs.c.trigger,
-                  status, pipeline_runs.c.rows_in, pipeline_runs.c.rows_out,
+    stmt = select(pipeline_runs.c.id.label("pipeline_run_id"), pipeline_runs.c.pipeline,
+                  pipeline_runs.c.trigger, status, pipeline_runs.c.rows_in, pipeline_runs.c.rows_out,
                   pipeline_runs.c.rows_dropped,
                   func.round(pipeline_runs.c.duration_s.cast(Numeric), 2).label("duration_s"),
                   pipeline_runs.c.started_at, pipeline_runs.c.error)

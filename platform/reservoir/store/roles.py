@@ -9,7 +9,7 @@ import hmac
 import os
 import re
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from reservoir.store.urls import READER_ROLE
 
@@ -33,5 +33,5 @@ def set_reader_password(engine: Engine, password: str) -> None:
     verifier = scram_verifier(password)
     if not _VERIFIER.fullmatch(verifier):  # only base64, digits and separators reach the SQL
         raise ValueError("unexpected SCRAM verifier shape")
-    with engine.begin() as conn:
-        conn.execute(text(f"ALTER ROLE {READER_ROLE} PASSWORD '{verifier}'"))
+    with engine.begin() as conn:  # driver SQL: text() would read ':ServerKey' as a parameter
+        conn.exec_driver_sql(f"ALTER ROLE {READER_ROLE} PASSWORD '{verifier}'")
