@@ -37,11 +37,17 @@ ALTER ROLE reservoir_reader WITH LOGIN NOINHERIT CONNECTION LIMIT 32;
 ALTER ROLE reservoir_reader SET default_transaction_read_only = on;
 ALTER ROLE reservoir_reader SET statement_timeout = '30s';
 ALTER ROLE reservoir_reader SET idle_in_transaction_session_timeout = '60s';
-DO $$ BEGIN
-  EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+DO $$ BEGIN  -- each only while the reader has it: a role without it may not revoke it at all
+  IF has_database_privilege('reservoir_reader', current_database(), 'TEMPORARY') THEN
+    EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+  END IF;
+  IF has_schema_privilege('reservoir_reader', 'public', 'CREATE') THEN
+    REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+  END IF;
+  IF has_function_privilege('reservoir_reader', 'lo_from_bytea(oid, bytea)', 'EXECUTE') THEN
+    REVOKE EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} FROM PUBLIC;
+  END IF;
 END $$;
-REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} FROM PUBLIC;
 """
 
 # A role that does not own the large-object functions (any role but a superuser) gets only a

@@ -238,7 +238,8 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
                  raw_groups=raw_groups)
         url = store.url
     for query in (DEMO_RUNS, DEMO_STEPS):  # the queries a newcomer runs next
-        console.print(f"\n$ reservoir sql {query!r} -p run={run}", highlight=False, markup=False)
+        console.print(f"\n$ reservoir sql {query!r} -p run={run}", highlight=False, markup=False,
+                      soft_wrap=True)
         result = run_sql(url, query, params={"run": run})
         print_table(console, result.columns, result.rows)
     trained = run_sql(url, DEMO_TRAINED, params={"run": run}).rows[0][0]

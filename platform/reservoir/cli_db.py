@@ -119,5 +119,5 @@ def db_reader_password(
                              "password there (e.g. read -s)")
     _, engine = _engine(config)
     set_reader_password(engine, password)
-    console.print("reservoir_reader's password is set; readers log in with "
-                  f"{from_env} in their environment", highlight=False)
+    console.print("reservoir_reader's password is set (readers set RESERVOIR_READER_PASSWORD)",
+                  highlight=False)

@@ -129,7 +129,7 @@ class Store:
         if upgraded_to and not quiet:
             Console(stderr=True).print(
                 f"Empty database at {redact(store.url)}: upgraded its schema to revision "
-                f"{upgraded_to}.", style="green", markup=False, highlight=False)
+                f"{upgraded_to}.", style="green", markup=False, highlight=False, soft_wrap=True)
         return store
 
     @property
