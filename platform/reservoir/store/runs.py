@@ -65,10 +65,6 @@ def add_inserted(run_id: int, n: int):
             .values(rows_inserted=runs.c.rows_inserted + n, updated_at=func.now()))
 
 
-def run_exists(conn: Connection, name: str) -> bool:
-    return conn.execute(select(runs.c.id).where(runs.c.name == name)).first() is not None
-
-
 def set_status(conn: Connection, run_id: int, status: str) -> None:
     conn.execute(update(runs).where(runs.c.id == run_id)
                  .values(status=status, updated_at=func.now()))

@@ -70,13 +70,12 @@ async def write_groups(
     result = WriteResult()
     if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)):
         raise StoreError(f"write_groups takes a list of groups, got {type(groups).__name__}")
-    names = {group[0].run for group in groups
-             if isinstance(group, Sequence) and group and isinstance(group[0], Experience)
-             and isinstance(group[0].run, str)}
-    given = {group[0].group_id for group in groups
-             if isinstance(group, Sequence) and group and isinstance(group[0], Experience)
-             and isinstance(group[0].group_id, uuid.UUID)}
-    run_info, existing = await _lookup(engine, sorted(names), sorted(given))
+    heads = [group[0] for group in groups  # first rows of what look like groups; the checks
+             if isinstance(group, Sequence) and group  # below name everything else
+             and isinstance(group[0], Experience)]
+    run_info, existing = await _lookup(
+        engine, sorted({head.run for head in heads if isinstance(head.run, str)}),
+        sorted({head.group_id for head in heads if isinstance(head.group_id, uuid.UUID)}))
     checked = _checked_groups(groups, run_info, existing, on_invalid, result)
     rows_per_run: Counter = Counter()
     records = []
