@@ -108,7 +108,8 @@ def test_trainer_killed_mid_run_resumes_to_the_same_model(tmp_path, new_database
     assert 2 <= killed_at < 8
     output = finish(start("train", str(config_path), "--resume", cwd=tmp_path))
     replayed = int(re.search(r"replayed (\d+) committed steps", output).group(1))
-    assert replayed >= 1, output  # steps after the step-0 checkpoint came back from the ledger
+    checkpoint = int(re.search(r"\(step (\d+)\); replayed", output).group(1))
+    assert replayed == killed_at - checkpoint, output  # steps after the checkpoint: the ledger
 
     found = ledger(db_url)
     assert found["steps"] == list(range(9)) and found["status"] == "finished"
