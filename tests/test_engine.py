@@ -8,7 +8,7 @@ from sqlalchemy import text
 from reservoir.explorer.engine import TransformersEngine
 from reservoir.explorer.rewards import exact_match, format_reward
 from reservoir.explorer.workflow import Task, single_turn
-from reservoir.models import build_tiny_model
+from reservoir.models import build_tiny_model, save_weights
 from reservoir.store import codec
 
 
@@ -44,13 +44,17 @@ def test_sampling_is_seeded(engine):
     assert [s.response_ids.tolist() for s in first[0]] == [s.response_ids.tolist() for s in again[0]]
 
 
-def test_new_weights_load_in_place(engine):
-    state = {k: torch.zeros_like(v) for k, v in engine.model.state_dict().items()}
+def test_new_weights_load_in_place(engine, tmp_path):
     before = engine.model
     original = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    engine.load_state_dict(state)
+    with torch.no_grad():
+        for tensor in engine.model.parameters():
+            tensor.zero_()
+    zeros = save_weights(engine.model, tmp_path / "zeros.safetensors")
+    engine.model.load_state_dict(original)
+    engine.load_weights(zeros)
     assert engine.model is before and float(engine.model.lm_head.weight.detach().abs().sum()) == 0.0
-    engine.load_state_dict(original)
+    engine.model.load_state_dict(original)
 
 
 def test_single_turn_writes_one_group_per_task(engine, store):

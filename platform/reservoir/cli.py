@@ -159,8 +159,7 @@ def explore_command(config: Path = typer.Argument(..., help="Run config YAML."),
         loaded = loaded.model_copy(update={
             "explorer": loaded.explorer.model_copy(update={"workers": workers})})
     for stats in pool.explore(loaded, console=console):
-        console.print(f"{stats.worker}: {stats.groups} groups, "
-                      f"{stats.versions_loaded} policy versions loaded")
+        console.print(stats.line(), markup=False, highlight=False)
 
 
 @app.command("train")

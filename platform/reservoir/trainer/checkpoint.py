@@ -1,8 +1,8 @@
 """Checkpoints: model weights, optimizer state, RNG states and the step, so a run resumes exactly.
 
 Layout of `DIR/step-000042/`: the model as `save_pretrained` writes it (safetensors),
-`trainer.pt` (optimizer state and torch RNG state: tensors and numbers only, loaded with
-`weights_only=True`), `state.json` (step, policy version, Python and numpy RNG states).
+`trainer.pt` (optimizer state and torch's CPU and CUDA RNG states: tensors and numbers only,
+loaded with `weights_only=True`), `state.json` (step, policy version, Python and numpy RNG states).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from reservoir.devices import rng_state, set_rng_state
 from reservoir.errors import ConfigError
 
 
@@ -31,8 +32,7 @@ def save_checkpoint(root: Path, step: int, version: int, model, optimizer) -> Pa
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
-    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()},
-               partial / "trainer.pt")
+    torch.save({"optimizer": optimizer.state_dict(), **rng_state()}, partial / "trainer.pt")
     numpy_state = np.random.get_state()
     (partial / "state.json").write_text(json.dumps({
         "step": step, "version": version,
@@ -56,9 +56,9 @@ def load_checkpoint(path: Path, model, optimizer) -> Resumed:
     state = json.loads((path / "state.json").read_text())
     weights = type(model).from_pretrained(path, local_files_only=True).state_dict()
     model.load_state_dict(weights)
-    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
     optimizer.load_state_dict(trainer["optimizer"])
-    torch.set_rng_state(trainer["torch_rng"])
+    set_rng_state(trainer)
     random.setstate(_tupled(state["python_rng"]))
     kind, keys, *rest = state["numpy_rng"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))

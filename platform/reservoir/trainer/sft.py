@@ -43,12 +43,13 @@ def warm_up(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int, b
     step's number and loss."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
+    losses, device = [], next(model.parameters()).device
     model.train()
     for step in range(1, steps + 1):
         if stop():
             break
         batch = sft_batch(tokenizer, rng.sample(list(pairs), min(batch_size, len(pairs))))
+        batch = batch.to(device)
         logprobs = token_logprobs(model, batch)
         loss = -(logprobs * batch.mask).sum() / batch.mask.sum()
         optimizer.zero_grad(set_to_none=True)

@@ -13,6 +13,7 @@ trainer held go back to ready.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 from rich.console import Console
 
 from reservoir.config import ReservoirConfig
+from reservoir.devices import resolve_device
 from reservoir.errors import ConfigError, FlowControlTimeout
 from reservoir.models import load_model, save_weights
 from reservoir.prepare import check_model, check_resumable
@@ -35,7 +37,7 @@ from reservoir.trainer.batch import make_batch
 from reservoir.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from reservoir.trainer.seed import seed_everything
 from reservoir.trainer.warmup import warm_up_stage
-from reservoir.trainer.step import PRESETS, train_step
+from reservoir.trainer.step import PRESETS, Precision, train_step
 
 LEASE_POLL_S = 1.0  # between lease attempts, check for a stop request
 # held-out accuracy of (model, tokenizer) on (id, prompt, answer) tasks; the coordinator
@@ -71,8 +73,7 @@ class TrainerWorker:
         check_model(self.config)
         torch.set_num_threads(self.config.torch_threads("trainer"))
         seed_everything(self.config.run.seed)
-        self.policy, self.tokenizer = load_model(self.config.model.path)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.trainer.lr)
+        self._load_policy()
         with Store.open(self.config, quiet=True) as store:
             self.store = store
             with store.engine.connect() as conn:
@@ -91,6 +92,20 @@ class TrainerWorker:
                 raise
             self._finish()
         return self.summary
+
+    def _load_policy(self) -> None:
+        """The policy on trainer.device, float32 weights (bf16 is autocast compute), and its
+        optimizer."""
+        trainer = self.config.trainer
+        self.device = resolve_device(trainer.device, key="trainer.device")
+        self.policy, self.tokenizer = load_model(self.config.model.path)
+        self.policy.to(self.device)
+        if trainer.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self.policy.train()  # no dropout in the models we build; checkpointing needs it
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=trainer.lr)
+        self.algorithm = dataclasses.replace(PRESETS[trainer.algorithm], tis_cap=trainer.tis_cap)
+        self.precision = Precision(dtype=trainer.dtype, chunk=trainer.logprob_chunk)
 
     def _check_can_start(self) -> None:
         with self.store.engine.connect() as conn:
@@ -247,16 +262,17 @@ class TrainerWorker:
     def _learn(self, rows) -> dict[str, float]:
         """One optimizer step on rows; metrics include staleness and throughput."""
         config, started = self.config, time.monotonic()
-        batch = make_batch(rows, self.tokenizer.pad_token_id)
-        metrics = train_step(self.policy, self.optimizer, batch, PRESETS[config.trainer.algorithm],
+        batch = make_batch(rows, self.tokenizer.pad_token_id, self.device)
+        metrics = train_step(self.policy, self.optimizer, batch, self.algorithm,
                              micro_batch=config.trainer.micro_batch,
-                             temperature=config.explorer.temperature)
+                             temperature=config.explorer.temperature, precision=self.precision)
         staleness = [self.summary.version - row.policy_version for row in rows]
         seconds = time.monotonic() - started
         return metrics | {"staleness_mean": sum(staleness) / len(staleness),
                           "staleness_max": max(staleness), "train_s": seconds,
                           "train_tokens_per_s": metrics["train_tokens"] / seconds,
-                          "response_len_mean": float(batch.mask.sum(1).mean())}
+                          "response_len_mean": float(batch.mask.sum(1).mean()),
+                          **_peak_memory(self.device)}
 
     def _publish(self, step: int) -> None:
         version = self.summary.version + 1
@@ -283,7 +299,11 @@ class TrainerWorker:
     def _evaluate(self) -> float:
         if self.evaluate is None or not self.held_out:
             return float("nan")
-        return self.evaluate(self.policy, self.tokenizer, self.held_out)
+        self.policy.eval()  # generate with the KV cache, not through checkpointed layers
+        try:
+            return self.evaluate(self.policy, self.tokenizer, self.held_out)
+        finally:
+            self.policy.train()
 
     def _record_accuracy(self, step: int) -> None:
         self.summary.accuracy.append((step, self._evaluate()))
@@ -294,3 +314,12 @@ class TrainerWorker:
                                  {"eval/accuracy": self.summary.accuracy[-1][1]})
 
         self.patience(record, f"held-out accuracy of step {step}")
+
+
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak GPU memory of the step in GiB (CUDA only), reset for the next step."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"peak_memory_gib": peak}
