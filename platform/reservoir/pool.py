@@ -9,6 +9,7 @@ stopped; explorers give their claimed tasks back. A second Ctrl-C stops at once.
 
 from __future__ import annotations
 
+import math
 import threading
 from functools import partial
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Callable
 from rich.console import Console
 
 from reservoir.config import ReservoirConfig
+from reservoir.devices import gpus_wanted
 from reservoir.errors import ConfigError, ReservoirError
 from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
@@ -39,10 +41,12 @@ def run(config: ReservoirConfig, *, resume: bool = False,
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config, resume=resume)  # a refusal comes before Ray starts
         with _ray(config):
-            trainer = _actor(TrainerWorker).remote(config, resume=resume,
-                                                   evaluate=partial(held_out_accuracy, config))
-            explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
-                         for index in range(config.explorer.workers)]
+            gpus = gpu_shares(config, ray.cluster_resources().get("GPU", 0))
+            config = _ray_devices(config, gpus)
+            trainer = _actor(TrainerWorker, gpus=gpus["trainer"]).remote(
+                config, resume=resume, evaluate=partial(held_out_accuracy, config))
+            explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS, gpus["explorer"]).remote(
+                config, index) for index in range(config.explorer.workers)]
             streams = [_actor(PipelineWorker, EXPLORER_RESTARTS).remote(config, path,
                                                                         [config.run.name])
                        for path in config.pipelines]
@@ -89,8 +93,10 @@ def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[
         import ray
 
         with _ray(config):
-            workers = [_actor(ExplorerWorker, EXPLORER_RESTARTS).remote(config, index)
-                       for index in range(config.explorer.workers)]
+            gpus = gpu_shares(config, ray.cluster_resources().get("GPU", 0), trainer=False)
+            config = _ray_devices(config, gpus)
+            workers = [_actor(ExplorerWorker, EXPLORER_RESTARTS, gpus["explorer"]).remote(
+                config, index) for index in range(config.explorer.workers)]
             explored = [w.run.remote() for w in workers]
             _supervise(monitor, console,
                        finished=lambda wait: len(ray.wait(explored, num_returns=len(explored),
@@ -164,12 +170,40 @@ def _supervise(monitor: Monitor, console: Console, *, finished: Callable[[float]
                               "(Ctrl-C again to abort)")
 
 
-def _actor(cls, restarts: int = 0):
-    """The class as a Ray actor that takes request_stop while run() goes on."""
+def _actor(cls, restarts: int = 0, gpus: float = 0):
+    """The class as a Ray actor that takes request_stop while run() goes on; Ray shows it only
+    the GPUs it declares (none: CUDA_VISIBLE_DEVICES is empty)."""
     import ray
 
-    return ray.remote(num_cpus=0, max_concurrency=2, max_restarts=restarts,
+    return ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=2, max_restarts=restarts,
                       max_task_retries=restarts)(cls)
+
+
+def gpu_shares(config: ReservoirConfig, available: float, *,
+               trainer: bool = True) -> dict[str, float]:
+    """GPUs each trainer and explorer actor declares. When the cluster has fewer GPUs than they
+    ask for together, each gets a fraction, so Ray puts them on the same devices (in sync mode
+    the trainer and explorers take turns on one GPU)."""
+    wanted = {"trainer": gpus_wanted(config.trainer.device, config.trainer.workers)
+              if trainer else 0,
+              "explorer": gpus_wanted(config.explorer.device)}
+    total = wanted["trainer"] + wanted["explorer"] * config.explorer.workers
+    if total <= available:
+        return wanted
+    if max(wanted.values()) > 1 or available < 1:  # Ray splits only single GPUs
+        raise ConfigError(f"trainer.device / explorer.device: the trainer and explorers need "
+                          f"{total:g} GPUs together and the Ray cluster has {available:g}; add "
+                          "GPUs, or run the explorers on cpu")
+    per_gpu = math.ceil(total / int(available))  # actors that share one device
+    return {role: gpus / per_gpu for role, gpus in wanted.items()}
+
+
+def _ray_devices(config: ReservoirConfig, gpus: dict[str, float]) -> ReservoirConfig:
+    """Inside an actor Ray numbers its GPUs from 0: cuda:N becomes cuda."""
+    update = {role: getattr(config, role).model_copy(update={"device": "cuda"})
+              for role in ("trainer", "explorer")
+              if gpus[role] and getattr(config, role).device.startswith("cuda")}
+    return config.model_copy(update=update)
 
 
 class _ray:
