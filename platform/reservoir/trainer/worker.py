@@ -5,6 +5,10 @@ train`) and meets explorers only in the store. A fresh run starts by measuring t
 policy, an optional supervised warm-up, and step 0 with policy version 0. Every step leases
 `batch_groups` groups no staler than the mode allows, trains, and commits through the ledger;
 every `sync_interval` steps it publishes the weights (a file, a policy_versions row, a NOTIFY).
+With `trainer.workers: N > 1` the steps are data-parallel: this worker is rank 0 of a pool whose
+other ranks train their share of each step in processes of their own (trainer/ranks.py); only
+rank 0 talks to the store's ledger, publishes, evaluates and checkpoints, and the other ranks
+load each checkpoint it starts or resumes from.
 
 Resuming reloads the last checkpoint and then replays, from the ledger, every step committed
 after it (the same rows, in the same order), so the model continues exactly; leases the dead
@@ -13,7 +17,6 @@ trainer held go back to ready.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,18 +29,17 @@ from rich.console import Console
 from reservoir.config import ReservoirConfig
 from reservoir.devices import resolve_device
 from reservoir.errors import ConfigError, FlowControlTimeout
-from reservoir.models import load_model, save_weights
+from reservoir.models import save_weights
 from reservoir.prepare import check_model, check_resumable
 from reservoir.store import Store
 from reservoir.store.ledger import add_step_metrics, last_step, record_step, step_experiences
 from reservoir.store.retry import Patience
 from reservoir.store.runs import run_id_of, set_status
 from reservoir.store.tasks import split_tasks
-from reservoir.trainer.batch import make_batch
 from reservoir.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from reservoir.trainer.ranks import TrainerPool, load_policy, rank_threads
 from reservoir.trainer.seed import seed_everything
 from reservoir.trainer.warmup import warm_up_stage
-from reservoir.trainer.step import PRESETS, Precision, train_step
 
 LEASE_POLL_S = 1.0  # between lease attempts, check for a stop request
 # held-out accuracy of (model, tokenizer) on (id, prompt, answer) tasks; the coordinator
@@ -71,7 +73,7 @@ class TrainerWorker:
     def run(self) -> RunSummary:
         """Train to trainer.steps (or until stopped); the run ends finished or stopped."""
         check_model(self.config)
-        torch.set_num_threads(self.config.torch_threads("trainer"))
+        torch.set_num_threads(rank_threads(self.config))
         seed_everything(self.config.run.seed)
         self._load_policy()
         with Store.open(self.config, quiet=True) as store:
@@ -82,9 +84,11 @@ class TrainerWorker:
             self._check_can_start()
             try:
                 self._set_status("running")
-                first = self._resume() if self.resume else self._start()
-                if first is not None:  # None: stopped during the warm-up
-                    self._train(first)
+                with TrainerPool(self.config, self.policy, self.optimizer,
+                                 self.tokenizer.pad_token_id, self.device) as self.pool:
+                    first = self._resume() if self.resume else self._start()
+                    if first is not None:  # None: stopped during the warm-up
+                        self._train(first)
             except KeyboardInterrupt:
                 self._stop.set()
             except BaseException:
@@ -94,18 +98,9 @@ class TrainerWorker:
         return self.summary
 
     def _load_policy(self) -> None:
-        """The policy on trainer.device, float32 weights (bf16 is autocast compute), and its
-        optimizer."""
-        trainer = self.config.trainer
-        self.device = resolve_device(trainer.device, key="trainer.device")
-        self.policy, self.tokenizer = load_model(self.config.model.path)
-        self.policy.to(self.device)
-        if trainer.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-        self.policy.train()  # no dropout in the models we build; checkpointing needs it
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=trainer.lr)
-        self.algorithm = dataclasses.replace(PRESETS[trainer.algorithm], tis_cap=trainer.tis_cap)
-        self.precision = Precision(dtype=trainer.dtype, chunk=trainer.logprob_chunk)
+        """The policy on trainer.device and its optimizer, built as every rank builds them."""
+        self.device = resolve_device(self.config.trainer.device, key="trainer.device")
+        self.policy, self.tokenizer, self.optimizer = load_policy(self.config, self.device)
 
     def _check_can_start(self) -> None:
         with self.store.engine.connect() as conn:
@@ -162,7 +157,7 @@ class TrainerWorker:
             record_step(conn, self.run_id, 0, policy_version=0,
                         metrics=metrics | {"eval/accuracy": self.summary.accuracy[-1][1]})
         self.store.publish_version(self.config.run.name, 0, location=location, train_step=0)
-        self._checkpoint()
+        self.pool.load(self._checkpoint())  # the other ranks start from rank 0's weights
         self.started = True
         return 1
 
@@ -176,6 +171,7 @@ class TrainerWorker:
             resumed_step, origin = 0, "the start (no checkpoint yet)"
         else:
             resumed = load_checkpoint(checkpoint, self.policy, self.optimizer)
+            self.pool.load(checkpoint)
             self.summary.steps, self.summary.version = resumed.step, resumed.version
             resumed_step, origin = resumed.step, f"{checkpoint.name} (step {resumed.step})"
             self.started = True
@@ -193,7 +189,7 @@ class TrainerWorker:
         """Retrain a committed step on exactly its ledger rows (no new commit)."""
         with self.store.engine.connect() as conn:
             ids = step_experiences(conn, self.run_id, step)
-        self._learn(self.store.fetch(ids))
+        self._learn(step, self.store.fetch(ids))
         self.summary.steps = step
         if step % self.config.trainer.sync_interval == 0:
             self._publish(step)
@@ -209,7 +205,7 @@ class TrainerWorker:
                 return
             waited = time.monotonic() - waited
             try:
-                metrics = self._learn(sorted(lease.rows, key=lambda row: row.id))
+                metrics = self._learn(step, sorted(lease.rows, key=lambda row: row.id))
             except BaseException:
                 self.store.release(lease)
                 raise
@@ -259,13 +255,11 @@ class TrainerWorker:
 
         self.patience(once, f"trainer step {step}", before_retry=lambda: retried.append(1))
 
-    def _learn(self, rows) -> dict[str, float]:
-        """One optimizer step on rows; metrics include staleness and throughput."""
-        config, started = self.config, time.monotonic()
-        batch = make_batch(rows, self.tokenizer.pad_token_id, self.device)
-        metrics = train_step(self.policy, self.optimizer, batch, self.algorithm,
-                             micro_batch=config.trainer.micro_batch,
-                             temperature=config.explorer.temperature, precision=self.precision)
+    def _learn(self, step: int, rows) -> dict[str, float]:
+        """One optimizer step on rows, on every rank of the pool; metrics include staleness
+        and throughput."""
+        started = time.monotonic()
+        metrics, batch = self.pool.train(step, rows)
         staleness = [self.summary.version - row.policy_version for row in rows]
         seconds = time.monotonic() - started
         return metrics | {"staleness_mean": sum(staleness) / len(staleness),
@@ -292,9 +286,9 @@ class TrainerWorker:
         for path in sorted((self.checkpoints / "policy").glob("v*.safetensors"))[1:-keep]:
             path.unlink(missing_ok=True)
 
-    def _checkpoint(self) -> None:
-        save_checkpoint(self.checkpoints, self.summary.steps, self.summary.version, self.policy,
-                        self.optimizer)
+    def _checkpoint(self) -> Path:
+        return save_checkpoint(self.checkpoints, self.summary.steps, self.summary.version,
+                               self.policy, self.optimizer)
 
     def _evaluate(self) -> float:
         if self.evaluate is None or not self.held_out:
