@@ -29,10 +29,16 @@ RESERVOIR = Path(sys.executable).with_name("reservoir")
 
 
 def start(*args: str, cwd: Path) -> subprocess.Popen:
-    """The command in a process group of its own, as a terminal runs a foreground job."""
+    """The command in a process group of its own, as a terminal runs a foreground job: with
+    Ctrl-C's default action even when the tests themselves run in the background (a shell
+    starts background jobs with SIGINT ignored, and Python then keeps ignoring it)."""
     return subprocess.Popen([str(RESERVOIR), *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "200"})
+                            env={**os.environ, "COLUMNS": "200"}, preexec_fn=_as_in_a_terminal)
+
+
+def _as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> str:
