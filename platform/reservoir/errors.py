@@ -37,3 +37,7 @@ class LeaseLost(StoreError):
 
 class FlowControlTimeout(StoreError):
     """A lease or a write waited longer than its timeout for the flow-control limits to allow it."""
+
+
+class RankLost(ReservoirError):
+    """A collective of the trainer pool failed: another rank ended or broke its connection."""
