@@ -15,6 +15,7 @@ from reservoir.devices import gpus_wanted, resolve_device, rng_state, set_rng_st
 from reservoir.errors import ConfigError
 from reservoir.models import build_tiny_model, load_model
 from reservoir.pool import gpu_shares
+import reservoir.trainer.batch as batch_module
 from reservoir.trainer.batch import TrainBatch, full_logprobs, token_logprobs
 from reservoir.trainer.checkpoint import load_checkpoint, save_checkpoint
 from reservoir.trainer.step import PRESETS, Precision, train_step
@@ -43,7 +44,11 @@ def synthetic_batch(vocab: int, rows: int = 8, width: int = 40, prompt: int = 12
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_logprobs_equal_the_full_log_softmax(tiny, chunk, temperature):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_chunked_logprobs_equal_the_full_log_softmax(tiny, chunk, temperature, recompute,
+                                                     monkeypatch):
+    """Both ways of the backward pass: chunks recomputed (large logits) or kept (small)."""
+    monkeypatch.setattr(batch_module, "RECOMPUTE_ABOVE_BYTES", 0 if recompute else 1 << 40)
     batch = synthetic_batch(tiny.config.vocab_size)
     full_model, chunked_model = copy.deepcopy(tiny), copy.deepcopy(tiny)
     full = full_logprobs(full_model, batch, temperature)

@@ -2,8 +2,10 @@
 
 `token_logprobs` never materialises the vocabulary-wide float32 `log_softmax`: it runs the
 decoder once, then takes each chunk of positions through the output layer and computes the
-gathered logit minus its `logsumexp`; while training, each chunk is recomputed in the backward
-pass (activation checkpointing), so at most one chunk's logits are alive at a time.
+gathered logit minus its `logsumexp`. While training, when the batch's float32 logits would pass
+RECOMPUTE_ABOVE_BYTES, each chunk is recomputed in the backward pass (activation checkpointing),
+so at most one chunk's logits are alive at a time; below that, recomputing would cost time and
+save little.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class TrainBatch:
         return TrainBatch(*(tensor.to(device) for tensor in self._tensors()))
 
 
+RECOMPUTE_ABOVE_BYTES = 1 << 30
+
 # config keys of models whose logits are more than the output layer's product (softcapping,
 # scaling): they go through the model's own forward
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -84,7 +88,9 @@ def token_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
     targets = batch.input_ids[:, 1:]
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     head, flat = model.get_output_embeddings(), targets.reshape(-1)
-    keep = torch.is_grad_enabled() and hidden.requires_grad
+    logits_bytes = flat.shape[0] * head.weight.shape[0] * 4
+    keep = torch.is_grad_enabled() and hidden.requires_grad and \
+        logits_bytes > RECOMPUTE_ABOVE_BYTES
     parts = []
     for start in range(0, flat.shape[0], chunk):
         args = (head, hidden[start:start + chunk], flat[start:start + chunk], temperature)
