@@ -39,8 +39,9 @@ class Engine(Protocol):
     def load_weights(self, path: Path) -> None: ...
 
 
-def make_engine(config) -> Engine:
-    """The explorer's engine: explorer.engine on explorer.device, in trainer.dtype."""
+def make_engine(config, seed: int | None = None) -> Engine:
+    """The explorer's engine: explorer.engine on explorer.device, in trainer.dtype; `seed`
+    (each explorer's own) seeds vLLM's sampler."""
     explorer = config.explorer
     device = resolve_device(explorer.device, key="explorer.device")
     name = explorer.engine
@@ -57,7 +58,8 @@ def make_engine(config) -> Engine:
 
     return VLLMEngine(config.model.path, device=str(device), dtype=config.trainer.dtype,
                       gpu_memory_utilization=explorer.gpu_memory_utilization,
-                      max_tokens=explorer.max_tokens, seed=config.run.seed)
+                      max_tokens=explorer.max_tokens,
+                      seed=config.run.seed if seed is None else seed)
 
 
 def chat_prompt(tokenizer, prompt: str) -> str:
@@ -135,8 +137,8 @@ class TransformersEngine:
         prompts, generated = prompts.cpu().numpy(), generated.cpu().numpy()
         logprobs = logprobs.cpu().numpy()
         responses = [generated[i, :length] for i, length in enumerate(lengths.tolist())]
-        texts = self._decode(responses, skip_special_tokens=True)
-        raw_texts = self._decode(responses, skip_special_tokens=False)
+        texts = decode(self.tokenizer, responses, skip_special_tokens=True)
+        raw_texts = decode(self.tokenizer, responses, skip_special_tokens=False)
         mask = prompt_mask.cpu().numpy()
         return [Sample(prompt_ids=prompts[i][mask[i]].astype(np.int32),
                        response_ids=response.astype(np.int32),
@@ -144,7 +146,7 @@ class TransformersEngine:
                        text=texts[i], raw_text=raw_texts[i], finished=bool(finished[i]))
                 for i, response in enumerate(responses)]
 
-    def _decode(self, rows, **options) -> list[str]:
-        """Texts of token-id rows; NUL, which PostgreSQL text cannot hold, becomes U+FFFD."""
-        return [text.replace("\x00", "\ufffd")
-                for text in self.tokenizer.batch_decode(rows, **options)]
+
+def decode(tokenizer, rows, **options) -> list[str]:
+    """Texts of token-id rows; NUL, which PostgreSQL text cannot hold, becomes U+FFFD."""
+    return [text.replace("\x00", "\ufffd") for text in tokenizer.batch_decode(rows, **options)]

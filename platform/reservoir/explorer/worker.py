@@ -74,7 +74,7 @@ class ExplorerWorker:
         set_threads(self.config.torch_threads("explorer"))
         torch.manual_seed(self.seed)
         stats = ExplorerStats(self.name)
-        engine = make_engine(self.config)
+        engine = make_engine(self.config, seed=self.seed)
         patience = Patience(self.config.store.outage_patience_s, say=print)
         with Store.open(self.config, quiet=True) as store, \
                 Listener(store.engine, POLICY_CHANNEL) as listener:
