@@ -44,16 +44,17 @@ def synthetic_batch(vocab: int, rows: int = 8, width: int = 40, prompt: int = 12
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("recompute", [True, False])
-def test_chunked_logprobs_equal_the_full_log_softmax(tiny, chunk, temperature, recompute,
-                                                     monkeypatch):
-    """Both ways of the backward pass: chunks recomputed (large logits) or kept (small)."""
-    monkeypatch.setattr(batch_module, "RECOMPUTE_ABOVE_BYTES", 0 if recompute else 1 << 40)
+def test_chunked_logprobs_equal_the_full_log_softmax(tiny, chunk, temperature, monkeypatch):
+    """Chunks (recomputed in the backward pass) as for logits past CHUNK_ABOVE_BYTES."""
+    monkeypatch.setattr(batch_module, "CHUNK_ABOVE_BYTES", 0)
     batch = synthetic_batch(tiny.config.vocab_size)
     full_model, chunked_model = copy.deepcopy(tiny), copy.deepcopy(tiny)
     full = full_logprobs(full_model, batch, temperature)
     chunked = token_logprobs(chunked_model, batch, temperature, chunk=chunk)
     torch.testing.assert_close(chunked, full, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(chunked_model, batch, temperature, chunk=chunk),
+                                   full.detach(), atol=1e-5, rtol=0)
     (full * batch.mask).sum().backward()
     (chunked * batch.mask).sum().backward()
     for (name, a), (_, b) in zip(full_model.named_parameters(), chunked_model.named_parameters()):

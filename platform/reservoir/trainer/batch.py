@@ -1,11 +1,10 @@
 """Leased rows -> padded tensors aligned for next-token log-probabilities, on the model's device.
 
-`token_logprobs` never materialises the vocabulary-wide float32 `log_softmax`: it runs the
-decoder once, then takes each chunk of positions through the output layer and computes the
-gathered logit minus its `logsumexp`. While training, when the batch's float32 logits would pass
-RECOMPUTE_ABOVE_BYTES, each chunk is recomputed in the backward pass (activation checkpointing),
-so at most one chunk's logits are alive at a time; below that, recomputing would cost time and
-save little.
+`token_logprobs` never materialises a vocabulary-wide float32 `log_softmax` larger than
+CHUNK_ABOVE_BYTES: past that it runs the decoder once, then takes each chunk of positions
+through the output layer and computes the gathered logit minus its `logsumexp`, recomputing each
+chunk in the backward pass (activation checkpointing) so one chunk's logits are alive at a time.
+Below it, the model's own forward and one `log_softmax` are faster and the memory is small.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ class TrainBatch:
         return TrainBatch(*(tensor.to(device) for tensor in self._tensors()))
 
 
-RECOMPUTE_ABOVE_BYTES = 1 << 30
+CHUNK_ABOVE_BYTES = 1 << 30
 
 # config keys of models whose logits are more than the output layer's product (softcapping,
 # scaling): they go through the model's own forward
@@ -81,16 +80,17 @@ def token_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
                    chunk: int = 1024) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) under `model`, [B, L - 1], in float32, `chunk` positions
     through the output layer at a time."""
-    if any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):
+    head = model.get_output_embeddings()
+    targets = batch.input_ids[:, 1:]
+    logits_bytes = targets.numel() * head.weight.shape[0] * 4
+    if logits_bytes <= CHUNK_ABOVE_BYTES or \
+            any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):
         return full_logprobs(model, batch, temperature)
     hidden = model.get_decoder()(input_ids=batch.input_ids,
                                  attention_mask=batch.attention_mask).last_hidden_state
-    targets = batch.input_ids[:, 1:]
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    head, flat = model.get_output_embeddings(), targets.reshape(-1)
-    logits_bytes = flat.shape[0] * head.weight.shape[0] * 4
-    keep = torch.is_grad_enabled() and hidden.requires_grad and \
-        logits_bytes > RECOMPUTE_ABOVE_BYTES
+    flat = targets.reshape(-1)
+    keep = torch.is_grad_enabled() and hidden.requires_grad
     parts = []
     for start in range(0, flat.shape[0], chunk):
         args = (head, hidden[start:start + chunk], flat[start:start + chunk], temperature)
