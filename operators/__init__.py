@@ -8,4 +8,5 @@ import it before `load_ops`). Every operator reads the fields Reservoir gives a 
 `reservoir pipeline ops` lists them with their arguments.
 """
 
-from reservoir.operators import groups, priority, review, rewards, store_ops  # noqa: F401
+from reservoir.operators import (groups, preferences, priority, review, rewards,  # noqa: F401
+                                 store_ops)

@@ -3,6 +3,7 @@
 import time
 import uuid
 
+from reservoir.store.ledger import record_step
 from reservoir.store.pace import Pace, claim_budget
 from reservoir.store.tasks import add_tasks, claim_tasks, finish_claims, release_claims
 from tests.factories import fill
@@ -30,7 +31,7 @@ def _claim(store, run_id, want, token, seconds=60.0):
 def test_budget_follows_versions_steps_and_waiting_groups(store):
     run_id = _tasks(store)
     assert _budget(store, run_id) == (None, 0)  # nothing until version 0 is published
-    store.publish_version("paced", 0)
+    store.publish_version("paced", 0, train_step=0)  # as the trainer does
     assert _budget(store, run_id) == (0, 2)  # sync: one version's worth of groups
     assert _budget(store, run_id, Pace(2, 3, 1, 4, 10)) == (0, 12)  # async: 2 versions x 6
     fill(store, "paced", 1)
@@ -40,7 +41,7 @@ def test_budget_follows_versions_steps_and_waiting_groups(store):
     lease = store.lease("paced", groups=1)
     store.commit_step(lease, step=1, policy_version=0)
     assert _budget(store, run_id) == (0, 0)  # trained, but version 1 is not out yet
-    store.publish_version("paced", 1)
+    store.publish_version("paced", 1, train_step=1)
     assert _budget(store, run_id) == (1, 1)  # 2 for version 1, less the live claim
     assert _budget(store, run_id, Pace(2, 1, 0, 4, steps=1)) == (1, 0)  # the run's last step
 
@@ -60,3 +61,26 @@ def test_claims_expire_and_finishing_counts_the_task_explored(store):
         explored = conn.exec_driver_sql(
             "SELECT id, times_explored, claim_token IS NULL FROM tasks ORDER BY id").all()
     assert [tuple(row) for row in explored] == [(1, 1, True), (2, 0, True), (3, 1, True)]
+
+
+def test_budget_is_zero_outside_explorer_stages_and_counts_from_the_stage_start(store):
+    """Stages: sft on tasks (steps 1-3), grpo on explorers (4-6), dpo on pairs (7-8)."""
+    run_id = _tasks(store)
+    staged = Pace(2, 1, 0, 4, steps=8, explorer_stages=((4, 6, 2),))
+    store.publish_version("paced", 0, train_step=0)
+    assert _budget(store, run_id, staged) == (0, 0)  # step 1 is the sft stage's
+    with store.engine.begin() as conn:
+        for step in (1, 2, 3):
+            record_step(conn, run_id, step, policy_version=0, metrics={}, stage="sft")
+    assert _budget(store, run_id, staged) == (0, 0)  # version 0 is older than the stage
+    store.publish_version("paced", 1, train_step=3)  # the grpo stage's first version
+    assert _budget(store, run_id, staged) == (1, 2)
+    fill(store, "paced", 2)
+    lease = store.lease("paced", groups=2)
+    store.commit_step(lease, step=4, policy_version=1)
+    store.publish_version("paced", 2, train_step=4)
+    assert _budget(store, run_id, staged) == (2, 2)
+    with store.engine.begin() as conn:
+        for step in (5, 6):
+            record_step(conn, run_id, step, policy_version=2, metrics={}, stage="grpo")
+    assert _budget(store, run_id, staged) == (2, 0)  # step 7 is the dpo stage's

@@ -196,10 +196,10 @@ def warm_up_config(tmp_path: Path, db_url: str, model: Path, warmup_steps: int) 
     return write_config(tmp_path / "warm.yaml", config)
 
 
-def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_starts_it_again(tmp_path,
-                                                                             db_url):
+def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_continues_it(tmp_path, db_url):
     """Issue 8: main showed `created` and `-` through the whole warm-up and ignored Ctrl-C
-    until it ended."""
+    until it ended. Issue 10: the warm-up is an sft stage whose steps enter the ledger, so a
+    stopped warm-up resumes where it stopped."""
     model = build_tiny_model(tmp_path / "tiny", seed=8)
     config_path = warm_up_config(tmp_path, db_url, model, warmup_steps=100_000)
     with Store(db_url) as store:
@@ -209,29 +209,31 @@ def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_starts_it_again(tm
     progress = wait_for(lambda: query(db_url, "SELECT status, progress FROM analytics.runs "
                                               "WHERE (progress ->> 'step')::int >= 5"))
     status, shown = progress[0]
-    assert status == "running" and shown["phase"] == "warm-up" and shown["of"] == 100_000
+    assert status == "running" and shown["stage"] == "warm-up" and shown["of"] == 100_000
     interrupted = time.monotonic()
     os.killpg(run.pid, signal.SIGINT)
     output, _ = run.communicate(timeout=60)
     assert run.returncode == 130 and time.monotonic() - interrupted < 20, output
     assert query(db_url, "SELECT status, progress FROM runs") == [("stopped", {})]
-    assert query(db_url, "SELECT count(*) FROM train_steps") == [(0,)]
-    resumed = warm_up_config(tmp_path, db_url, model, warmup_steps=20)
+    (stopped,), = query(db_url, "SELECT max(step) FROM train_steps WHERE stage = 'warm-up'")
+    assert stopped >= 5
+    resumed = warm_up_config(tmp_path, db_url, model, warmup_steps=stopped + 10)
     output = finish(start("train", str(resumed), "--resume", cwd=tmp_path))
-    assert "resumed run 'offline' from the start (no checkpoint yet)" in output
-    assert ledger(db_url)["steps"] == list(range(9))
+    assert f"resumed run 'offline' from step-{stopped:06d} (step {stopped})" in output
+    assert ledger(db_url)["steps"] == list(range(stopped + 10 + 8 + 1))
 
 
-def test_a_trainer_killed_before_its_first_checkpoint_resumes(tmp_path, new_database,
-                                                              template_db):
+def test_a_trainer_killed_in_its_warm_up_resumes_to_the_same_weights(tmp_path, new_database,
+                                                                      template_db):
     """Issue 8: main refused `--resume` ("no checkpoint"). Killed in its warm-up, the trainer
-    resumes from the start and ends at the same weights as a run never killed."""
+    resumes from the stage's first checkpoint, replays the warm-up steps the ledger holds (the
+    same task draws) and ends at the same weights as a run never killed."""
     model = build_tiny_model(tmp_path / "tiny", seed=9)
     paths = {}
     for side in ("straight", "killed"):
         db_url = new_database(template_db)
         config = yaml.safe_load(warm_up_config(tmp_path, db_url, model, 60).read_text())
-        config["trainer"]["checkpoint_dir"] = str(tmp_path / side)
+        config["trainer"] |= {"checkpoint_dir": str(tmp_path / side), "checkpoint_interval": 100}
         paths[side] = (db_url, write_config(tmp_path / f"{side}.yaml", config))
         with Store(db_url) as store:
             ensure_run(store, parse_config(config))
@@ -239,14 +241,14 @@ def test_a_trainer_killed_before_its_first_checkpoint_resumes(tmp_path, new_data
     finish(start("train", str(paths["straight"][1]), cwd=tmp_path))
     db_url, config_path = paths["killed"]
     victim = start("train", str(config_path), cwd=tmp_path)
-    wait_for(lambda: query(db_url, "SELECT 1 FROM runs WHERE (progress ->> 'step')::int >= 1"))
+    wait_for(lambda: query(db_url, "SELECT 1 FROM train_steps WHERE step >= 3"))
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    assert not (tmp_path / "killed" / "offline").exists()  # no checkpoint yet
-    finish(start("train", str(config_path), "--resume", cwd=tmp_path))
+    output = finish(start("train", str(config_path), "--resume", cwd=tmp_path))
+    assert "from step-000000 (step 0); replayed" in output
     found = ledger(db_url)
-    assert found["steps"] == list(range(9)) and found["status"] == "finished"
-    weights = [load_model(tmp_path / side / "offline" / "step-000008")[0].state_dict()
+    assert found["steps"] == list(range(60 + 8 + 1)) and found["status"] == "finished"
+    weights = [load_model(tmp_path / side / "offline" / "step-000068")[0].state_dict()
                for side in ("straight", "killed")]
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)

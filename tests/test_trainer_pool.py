@@ -23,13 +23,12 @@ from reservoir.models import build_tiny_model, load_model
 from reservoir.prepare import ensure_run
 from reservoir.store import Store
 from reservoir.trainer.batch import make_batch
-from reservoir.trainer.checkpoint import load_checkpoint, save_checkpoint
-from reservoir.trainer.ranks import TrainerPool, load_policy, train_rows
+from reservoir.trainer.learner import Learner
+from reservoir.trainer.ranks import TrainerPool
 from tests.test_recovery import (finish, offline_groups, query, start, trainer_config, wait_for,
                                  write_config)
 from tests.test_run import ledger
 
-CPU = torch.device("cpu")
 
 
 def pool_config(tmp_path: Path, db_url: str, model: Path):
@@ -47,19 +46,22 @@ def test_two_ranks_train_the_weights_one_worker_trains(tmp_path, store, db_url):
     store.write_groups(offline_groups("pool", 8))
     batches = [sorted(store.lease("pool", groups=2).rows, key=lambda row: row.id)
                for _ in range(4)]
-    single, tokenizer, optimizer = load_policy(config, CPU)
-    pad = tokenizer.pad_token_id
-    train_rows(single, optimizer, make_batch(batches[0], pad), config)  # optimizer state to load
-    checkpoint = save_checkpoint(tmp_path / "ck", 1, 0, single, optimizer)
+    learner = Learner(config)
+    learner.begin(learner.plan[0])
+    single, pad = learner.model, learner.tokenizer.pad_token_id
+    learner.train(1, make_batch(batches[0], pad))  # optimizer state to load
+    checkpoint = learner.save(tmp_path / "ck", 1, 0)
     start_weights = {name: p.detach().clone() for name, p in single.named_parameters()}
-    alone = [train_rows(single, optimizer, make_batch(rows, pad), config)
-             for rows in batches[1:]]
+    alone = [learner.train(step, make_batch(rows, pad))
+             for step, rows in enumerate(batches[1:], 2)]
 
-    ranked, _, ranked_optimizer = load_policy(config, CPU)
-    load_checkpoint(checkpoint, ranked, ranked_optimizer)
-    with TrainerPool(config, ranked, ranked_optimizer, pad, CPU) as pool:
+    pooled_learner = Learner(config)
+    pooled_learner.load(checkpoint)
+    ranked = pooled_learner.model
+    with TrainerPool(config, pooled_learner) as pool:
         pool.load(checkpoint)
-        pooled = [pool.train(step, rows)[0] for step, rows in enumerate(batches[1:], 2)]
+        pooled = [pool.train(step, rows, make_batch(rows, pad))
+                  for step, rows in enumerate(batches[1:], 2)]
         followers = list(pool.followers)
     assert [p.exitcode for p in followers] == [0]  # STOP: a clean exit
 
@@ -80,15 +82,16 @@ def test_a_killed_follower_fails_the_step_in_process(tmp_path, store, db_url):
     ensure_run(store, config)
     store.write_groups(offline_groups("pool", 2))
     rows = sorted(store.lease("pool", groups=2).rows, key=lambda row: row.id)
-    model, tokenizer, optimizer = load_policy(config, CPU)
-    with TrainerPool(config, model, optimizer, tokenizer.pad_token_id, CPU) as pool:
+    learner = Learner(config)
+    learner.begin(learner.plan[0])
+    with TrainerPool(config, learner) as pool:
         follower = pool.followers[0]
         os.kill(follower.pid, signal.SIGKILL)
         follower.join(10)
         with pytest.raises(ReservoirError, match=rf"trainer rank 1 \(pid {follower.pid}\) was "
                                                  r"killed by SIGKILL during step 7, which was "
                                                  r"not committed; continue the run with --resume"):
-            pool.train(7, rows)
+            pool.train(7, rows, make_batch(rows, learner.tokenizer.pad_token_id))
 
 
 def followers_of(pid: int) -> list[int]:

@@ -174,3 +174,18 @@ def review_label(review_id: int,
     with _open(config) as store, store.engine.begin() as conn:
         status = record(conn, review_id, verdict=verdict, reviewer=reviewer, values=values)
     console.print(f"review {review_id}: {verdict}; the row is now {status}")
+
+
+@review_app.command("prefer")
+def review_prefer(chosen_id: int = typer.Argument(..., help="The better response's experience."),
+                  rejected_id: int = typer.Argument(..., help="The worse one's (same task and run)."),
+                  reviewer: Optional[str] = typer.Option(None, help="Who decided."),
+                  config: Optional[Path] = ConfigOption) -> None:
+    """Record that a person prefers one response to another: a DPO pair (source review:NAME)."""
+    from reservoir.store.preferences import Pair
+
+    source = f"review:{reviewer}" if reviewer else "review"
+    with _open(config) as store:
+        added = store.add_pairs([Pair(chosen_id, rejected_id, None, source)])
+    console.print(f"experience {chosen_id} preferred over {rejected_id}: "
+                  f"{'pair added' if added else 'the pair was already stored'}")

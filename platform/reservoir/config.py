@@ -177,8 +177,79 @@ class ExplorerConfig(Section):
         "the machine's memory: keep it small there)")
 
 
+def _preset(value: str) -> str:
+    from reservoir.trainer.presets import PRESETS  # no torch: the config stays light
+    if value not in PRESETS:
+        close = difflib.get_close_matches(value, PRESETS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown algorithm {value!r}; {hint}valid: {', '.join(PRESETS)}")
+    return value
+
+
+def _piece(registry: str):
+    """A validator: the value names an entry of trainer.algorithms' `registry` (imported only
+    when a config names a piece, so configs that do not stay light)."""
+    def check(value: str | None) -> str | None:
+        if value is not None:
+            import reservoir.trainer.algorithms as pieces
+            names = getattr(pieces, registry).names()
+            if value not in names:
+                raise ValueError(f"unknown {getattr(pieces, registry).kind} {value!r}; valid: "
+                                 f"{', '.join(names)}")
+        return value
+    return AfterValidator(check)
+
+
+def _algorithm_mapping(value):
+    return {"preset": value} if isinstance(value, str) else value
+
+
+class AlgorithmConfig(Section):
+    """A preset (trainer/presets.py) and the options that override it; unset keys keep the
+    preset's values."""
+
+    preset: Annotated[str, AfterValidator(_preset)] = "grpo"
+    advantage: Annotated[str | None, _piece("ADVANTAGES")] = None
+    policy_loss: Annotated[str | None, _piece("POLICY_LOSSES")] = None
+    preference_loss: Annotated[str | None, _piece("PREFERENCE_LOSSES")] = None
+    kl_estimator: Annotated[str | None, _piece("KL_ESTIMATORS")] = None
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
+    clip_low: Number | None = number(None, gt=0, le=1)
+    clip_high: Number | None = number(None, gt=0, le=100)
+    dual_clip: Number | None = number(None, gt=1, le=1e6)
+    kl_coef: Number | None = number(None, ge=0, le=1e3)
+    kl_in: Literal["loss", "reward"] | None = None
+    entropy_coef: Number | None = number(None, ge=0, le=1e3)
+    gamma: Number | None = number(None, ge=0, le=1)
+    lam: Number | None = number(None, ge=0, le=1)
+    tau: Number | None = number(None, gt=0, le=1e6)
+    opmd_baseline: Literal["mean", "logavgexp"] | None = None
+    beta: Number | None = number(None, gt=0, le=1e6)
+    value_clip: Number | None = number(None, gt=0, le=1e6)
+
+    def resolve(self, **extra):
+        """The `Algorithm` this names: the preset with every set key replaced."""
+        from reservoir.trainer.presets import PRESETS
+        changes = {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
+        return PRESETS[self.preset].replace(**changes, **extra)
+
+
+AlgorithmChoice = Annotated[AlgorithmConfig, BeforeValidator(_algorithm_mapping)]
+
+
+class CriticConfig(Section):
+    """PPO's value model (used by algorithms whose advantage is gae)."""
+
+    path: Path | None = Field(default=None, description="a Hugging Face model folder whose "
+                              "decoder becomes the critic; unset: a copy of the policy's start")
+    lr: Number = number(1e-3, gt=0, le=1)
+
+
 class TrainerConfig(Section):
-    algorithm: Literal["grpo", "grpo-kl", "dr-grpo"] = "grpo"
+    algorithm: AlgorithmChoice = Field(
+        default=AlgorithmConfig(), description="a preset name (ppo, grpo, grpo-kl, dr-grpo, "
+        "rloo, reinforce++, gspo, cispo, opmd, sft, dpo) or {preset: NAME, option: value, ...}")
+    critic: CriticConfig = CriticConfig()
     lr: Number = number(1e-3, gt=0, le=1)
     batch_groups: Count = count(8, 1, 100_000)
     micro_batch: Count = count(16, 1, 1_000_000)
@@ -212,6 +283,79 @@ class TrainerConfig(Section):
         "min(p_trainer / p_engine, tis_cap), correcting the engine/trainer mismatch; unset: off")
 
 
+class StoredData(Section):
+    """Stored experiences a stage trains on, read in a fixed order (no lease: stored rows are
+    history, several runs may read them); the ledger records every row each step used."""
+
+    runs: tuple[RunName, ...] = Field(default=(), description="runs whose rows are read; "
+                                      "empty: this run")
+    status: tuple[Literal["ready", "consumed", "quarantined", "retired"], ...] = ("consumed",)
+    where: str | None = Field(default=None, description="a boolean SQL expression over "
+                              "experiences' columns (run alone, read-only, like a pipeline's)")
+    order: Literal["id", "reward", "random"] = "id"
+    select: Literal["groups", "best"] = Field(
+        default="groups", description="groups: whole groups; best: each group's "
+        "highest-reward response (e.g. SFT on an earlier run's best answers)")
+
+
+class PreferenceData(Section):
+    """Chosen/rejected pairs leased from `preferences`."""
+
+    runs: tuple[RunName, ...] = Field(default=(), description="runs whose pairs are leased; "
+                                      "empty: this run")
+
+
+class StageData(Section):
+    """Exactly one source: explorers (the run's own rollouts), tasks (SFT on the run's train
+    tasks' answers), stored rows, or preference pairs."""
+
+    explorers: bool = False
+    tasks: bool = False
+    stored: StoredData | None = None
+    preferences: PreferenceData | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> StageData:
+        chosen = [self.explorers, self.tasks, self.stored is not None,
+                  self.preferences is not None]
+        if sum(chosen) != 1:
+            raise ValueError("a stage's data is one of: explorers, tasks, {stored: {...}}, "
+                             "{preferences: {...}}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return ("explorers" if self.explorers else "tasks" if self.tasks
+                else "stored" if self.stored is not None else "preferences")
+
+
+def _stage_data(value):
+    return {value: True} if isinstance(value, str) and value in ("explorers", "tasks") else value
+
+
+class StageConfig(Section):
+    """One stage of a run: an algorithm trained for `steps` steps on one data source."""
+
+    name: RunName
+    algorithm: AlgorithmChoice
+    steps: Count = count(None, 1, 100_000_000)
+    lr: Number | None = number(None, gt=0, le=1, description="unset: trainer.lr")
+    batch: Count | None = count(None, 1, 1_000_000, "groups (pairs for preferences, tasks "
+                                "for tasks) per step; unset: trainer.batch_groups")
+    data: Annotated[StageData, BeforeValidator(_stage_data)] = StageData(explorers=True)
+
+    @model_validator(mode="after")
+    def _data_fits_algorithm(self) -> StageConfig:
+        pairs = self.algorithm.resolve().preference_loss is not None
+        if pairs != (self.data.preferences is not None):
+            raise ValueError(f"stage {self.name!r}: a preference algorithm (dpo) trains on "
+                             "data: {preferences: ...} and only it does")
+        if self.data.tasks and self.algorithm.resolve().policy_loss != "sft":
+            raise ValueError(f"stage {self.name!r}: data: tasks has answers, not rollouts: "
+                             "only sft trains on it")
+        return self
+
+
 class RunSection(Section):
     name: RunName = "run"
     mode: Literal["sync", "async"] = Field(
@@ -232,6 +376,10 @@ class ReservoirConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     store: StoreConfig = StoreConfig()
     sampler: SamplerConfig = SamplerConfig()
+    stages: tuple[StageConfig, ...] = Field(
+        default=(), description="stages in order, each with its algorithm, steps, lr and data; "
+        "unset: trainer.warmup_steps of sft on tasks, then trainer.steps of trainer.algorithm "
+        "on the explorers' rollouts")
     pipelines: tuple[Path, ...] = Field(
         default=(), description="stream pipelines a run starts: explorers then write raw rows, "
         "and only rows a pipeline passes become ready for the trainer")
@@ -242,6 +390,16 @@ class ReservoirConfig(Section):
             raise ValueError(f"trainer.workers ({self.trainer.workers}) exceeds "
                              f"trainer.batch_groups ({self.trainer.batch_groups}): every rank "
                              "trains at least one whole group")
+        return self
+
+    @model_validator(mode="after")
+    def _stages_alone(self) -> ReservoirConfig:
+        if self.stages and self.trainer.warmup_steps:
+            raise ValueError("stages and trainer.warmup_steps: put the warm-up in the stages "
+                             "(an sft stage with data: tasks)")
+        names = [stage.name for stage in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names repeat: {names}")
         return self
 
     @model_validator(mode="after")

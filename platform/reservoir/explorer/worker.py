@@ -29,6 +29,7 @@ from reservoir.store.pace import Pace, claim_budget
 from reservoir.store.retry import Patience, is_outage
 from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of, status_of
 from reservoir.store.tasks import claim_tasks, finish_claims, release_claims
+from reservoir.trainer.stages import last_step, plan
 
 DONE = ("finished", "stopped", "failed")
 IDLE_POLL_S = 1.0  # re-check the store this often even without a notification
@@ -132,9 +133,12 @@ class ExplorerWorker:
     def _claim(self, store: Store, run_id: int):
         """Tasks within the pace, claimed only if the latest version is the one loaded."""
         config = self.config
+        stages = plan(config)
         pace = Pace(batch_groups=config.trainer.batch_groups,
                     sync_interval=config.trainer.sync_interval, staleness=config.staleness,
-                    group_size=config.explorer.n, steps=config.trainer.steps)
+                    group_size=config.explorer.n, steps=last_step(stages),
+                    explorer_stages=tuple((s.first_step, s.last_step, s.batch)
+                                          for s in stages if s.explores))
         with store.engine.begin() as conn:
             version, budget = claim_budget(conn, run_id, pace)
             if version != self.version:

@@ -11,7 +11,8 @@ from reservoir.pipeline.validate import check_specs
 from reservoir.store.source import FIELDS
 
 # Fields Reservoir's own operators add to rows, and the group size validation computes.
-ADDED_FIELDS = ("task_difficulty", "review_reason", "_group_size")
+ADDED_FIELDS = ("task_difficulty", "review_reason", "_group_size", "preferred_over",
+                "preference_margin")
 
 
 def check_file(path: Path) -> tuple[PipelineSpec, list[Step]]:

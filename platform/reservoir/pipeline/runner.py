@@ -90,6 +90,7 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
         order_by=source.order_by, limit=source.limit, timeout_s=source.timeout_s))
     progress(f"{len(rows)} rows selected")
     originals = {row["id"]: _to_dataset_row(row) for row in rows}
+    from reservoir.operators.preferences import write_pairs  # after build_steps, as below
     from reservoir.operators.store_ops import using  # after build_steps: Data-Juicer imported quietly
 
     with using(store.engine):  # operators that read the store read this one
@@ -102,6 +103,7 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
         if not dry_run:
             result.skipped = keep_unchanged(conn, changes, originals)
             reencode(conn, changes, originals)
+            changes.events += write_pairs(conn, final, changes.statuses)  # preference pairs
             queries.apply(conn, pipeline_run, changes)
         queries.finish_run(conn, pipeline_run, status="dry_run" if dry_run else "succeeded",
                            duration_s=time.monotonic() - started, rows_in=len(rows),

@@ -14,7 +14,7 @@ from sqlalchemy.types import BigInteger, Float
 
 from reservoir.errors import LeaseLost, StoreError
 from reservoir.store.sampler import Lease
-from reservoir.store.schema import batch_items, train_steps
+from reservoir.store.schema import batch_items, batch_pairs, preferences, train_steps
 
 # One statement: the lease's rows become consumed, the step row is inserted, and one ledger row
 # per consumed experience joins the two. It returns one row per ledger entry written.
@@ -26,8 +26,8 @@ WITH consumed AS (
     WHERE lease_token = :token
     RETURNING id
 ), step AS (
-    INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences)
-    VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences)
+    INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
+    VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences, :stage)
     RETURNING id
 ), weighted AS (
     SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:weights AS float8[]))
@@ -54,8 +54,8 @@ def finite(metrics: dict[str, Any]) -> dict[str, Any]:
 async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: int,
                       policy_version: int, loss: float | None = None,
                       metrics: dict[str, Any] | None = None,
-                      weights: Sequence[float] | None = None) -> int:
-    """Record `step` as trained on the lease's rows; returns the train_steps id.
+                      weights: Sequence[float] | None = None, stage: str | None = None) -> int:
+    """Record `step` (of `stage`) as trained on the lease's rows; returns the train_steps id.
 
     In one transaction: the leased rows become `consumed` (times_sampled + 1), a train_steps
     row is inserted, and one batch_items row per experience records the policy version the
@@ -67,6 +67,7 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
         raise StoreError(f"commit_step: {len(weights)} weights for {len(ids)} leased rows")
     params = dict(token=lease.token, run_id=run_id, step=step, policy_version=policy_version,
                   loss=loss, metrics=finite(metrics or {}), n_experiences=len(ids), ids=ids,
+                  stage=stage,
                   weights=[float(w) for w in weights] if weights is not None else [1.0] * len(ids))
     async with engine.begin() as conn:
         try:
@@ -86,13 +87,21 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
 
 
 def record_step(conn: Connection, run_id: int, step: int, *, policy_version: int,
-                metrics: dict[str, Any], loss: float | None = None) -> None:
-    """A train_steps row that consumed no experiences (for example a supervised warm-up); kept
-    as it is if the step was recorded already (a trainer that starts again)."""
-    conn.execute(pg_insert(train_steps).values(
-        run_id=run_id, step=step, loss=loss, policy_version=policy_version,
-        metrics=finite(metrics), n_experiences=0)
-        .on_conflict_do_nothing(constraint="train_steps_run_step"))
+                metrics: dict[str, Any], loss: float | None = None, stage: str | None = None,
+                experience_ids: Sequence[int] = ()) -> None:
+    """A train_steps row and a batch_items row per experience it read without leasing (stored
+    history, or none: step 0, a step on tasks); kept as it is if the step was recorded already
+    (a trainer that starts again), so the step and its ledger rows are written together or
+    not at all."""
+    inserted = conn.execute(pg_insert(train_steps).values(
+        run_id=run_id, step=step, loss=loss, policy_version=policy_version, stage=stage,
+        metrics=finite(metrics), n_experiences=len(experience_ids))
+        .on_conflict_do_nothing(constraint="train_steps_run_step")
+        .returning(train_steps.c.id)).scalar()
+    if inserted is not None and experience_ids:
+        conn.execute(batch_items.insert(), [
+            {"train_step_id": inserted, "experience_id": experience_id,
+             "policy_version": policy_version} for experience_id in experience_ids])
 
 
 def add_step_metrics(conn: Connection, run_id: int, step: int, metrics: dict[str, Any]) -> None:
@@ -108,6 +117,17 @@ def step_experiences(conn: Connection, run_id: int, step: int) -> list[int]:
             .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
             .order_by(batch_items.c.experience_id))
     return list(conn.execute(stmt).scalars())
+
+
+def step_pairs(conn: Connection, run_id: int, step: int) -> list[tuple[int, int]]:
+    """(chosen, rejected) experience ids of the pairs a committed step trained on, in pair id
+    order."""
+    stmt = (select(preferences.c.chosen_id, preferences.c.rejected_id)
+            .join(batch_pairs, batch_pairs.c.preference_id == preferences.c.id)
+            .join(train_steps, train_steps.c.id == batch_pairs.c.train_step_id)
+            .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
+            .order_by(preferences.c.id))
+    return [tuple(row) for row in conn.execute(stmt)]
 
 
 def has_step(conn: Connection, run_id: int, step: int) -> bool:

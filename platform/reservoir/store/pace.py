@@ -12,6 +12,10 @@ L, then wait for L + 1: on-policy. With staleness s (async mode) they run at mos
 ahead, so no group is trained more than s versions after the policy that made it. Nothing is
 explored beyond the run's last step, and before version 0 is published (the trainer is still
 warming up) the budget is 0.
+
+A run of several stages (trainer/stages.py) counts the same way inside each stage that trains
+on explorers, from the stage's first step and the version published just before it; while a
+stage that reads other data trains, the budget is 0.
 """
 
 from __future__ import annotations
@@ -31,36 +35,68 @@ class Pace:
     staleness: int
     group_size: int
     steps: int  # the run's last step: nothing is explored beyond what it will train
+    # (first step, last step, groups per step) of each stage that trains on explorers'
+    # groups; None: one such stage, steps 1 .. steps of batch_groups
+    explorer_stages: tuple[tuple[int, int, int], ...] | None = None
+
+    def stage_after(self, step: int) -> tuple[int, int, int] | None:
+        """The explorer stage that trains step + 1, if one does."""
+        for first, last, batch in self.explorer_stages or ((1, self.steps, self.batch_groups),):
+            if first <= step + 1 <= last:
+                return first, last, batch
+        return None
 
 
 def _progress(run_id: int):
-    """Statement: latest version (-1 before any), last step, waiting rows, live claims."""
-    version = (select(func.coalesce(func.max(policy_versions.c.version), -1))
-               .where(policy_versions.c.run_id == run_id).scalar_subquery())
+    """Statement: last step and live claims."""
     step = (select(func.coalesce(func.max(train_steps.c.step), 0))
             .where(train_steps.c.run_id == run_id).scalar_subquery())
-    waiting = (select(func.count()).select_from(experiences)
-               .where(experiences.c.run_id == run_id,
-                      status_in(experiences.c.status, ("raw", "ready", "leased")))
-               .scalar_subquery())
     claimed = (select(func.count()).select_from(tasks)
                .where(tasks.c.run_id == run_id, tasks.c.claim_token.is_not(None),
                       tasks.c.claimed_until > func.now())
                .scalar_subquery())
-    return select(version, step, waiting, claimed)
+    return select(step, claimed)
+
+
+def _versions(run_id: int, first: int):
+    """Statement: the latest version (-1 before any), the stage's first version (published
+    after the step before its first; -1 until the trainer publishes it), and the rows
+    waiting that it or a later version made."""
+    latest = (select(func.coalesce(func.max(policy_versions.c.version), -1))
+              .where(policy_versions.c.run_id == run_id).scalar_subquery())
+    start = (select(func.coalesce(func.max(policy_versions.c.version), -1))
+             .where(policy_versions.c.run_id == run_id,
+                    policy_versions.c.train_step == first - 1).scalar_subquery())
+    waiting = (select(func.count()).select_from(experiences)
+               .where(experiences.c.run_id == run_id,
+                      status_in(experiences.c.status, ("raw", "ready", "leased")),
+                      experiences.c.policy_version >= start)
+               .scalar_subquery())
+    return select(latest, start, waiting)
 
 
 def claim_budget(conn: Connection, run_id: int, pace: Pace) -> tuple[int | None, int]:
-    """(latest version, groups explorers may start now); None, 0 before version 0.
+    """(latest version, groups explorers may start now); None, 0 before version 0, and 0
+    while the step being trained is not in an explorer stage.
 
     Locks the run's row until the transaction ends, so the budget read is the budget spent.
+    Within a stage that starts at step F with version V0 (published before step F),
+    `version` and `step` count from the stage's start: (L - V0 + 1 + staleness) versions'
+    worth of groups, minus the groups its steps took, the groups waiting and the claims.
     """
     conn.execute(select(runs.c.id).where(runs.c.id == run_id).with_for_update())
-    version, step, waiting_rows, claimed = conn.execute(_progress(run_id)).one()
+    step, claimed = conn.execute(_progress(run_id)).one()
+    stage = pace.stage_after(step)
+    first = stage[0] if stage is not None else step + 1
+    version, start, waiting_rows = conn.execute(_versions(run_id, first)).one()
     if version < 0:
         return None, 0
-    per_version = pace.batch_groups * pace.sync_interval
+    if stage is None or start < 0:
+        return version, 0
+    first, last, batch = stage
+    per_version = batch * pace.sync_interval
     waiting = -(-waiting_rows // pace.group_size)  # groups, a partial one counted whole
-    allowed = min((version + 1 + pace.staleness) * per_version, pace.steps * pace.batch_groups)
-    allowed -= step * pace.batch_groups
+    allowed = min((version - start + 1 + pace.staleness) * per_version,
+                  (last - first + 1) * batch)
+    allowed -= (step - first + 1) * batch
     return version, max(0, allowed - waiting - claimed)

@@ -109,6 +109,18 @@ def publish_version(conn: Connection, run_id: int, version: int, *, location: st
     return True
 
 
+def version_by(conn: Connection, run_id: int, step: int | None = None) -> tuple[int, int] | None:
+    """(version, train step) of the latest version published after a step <= `step` (any
+    step when None); None before any."""
+    stmt = (select(policy_versions.c.version, policy_versions.c.train_step)
+            .where(policy_versions.c.run_id == run_id)
+            .order_by(policy_versions.c.version.desc()).limit(1))
+    if step is not None:
+        stmt = stmt.where(policy_versions.c.train_step <= step)
+    row = conn.execute(stmt).first()
+    return None if row is None else (row.version, row.train_step)
+
+
 def latest_policy(conn: Connection, run_id: int) -> tuple[int, str | None] | None:
     """(version, weights location) of the run's latest published policy; None before any."""
     row = conn.execute(select(policy_versions.c.version, policy_versions.c.location)

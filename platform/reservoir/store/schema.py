@@ -37,6 +37,7 @@ PIPELINE_STATUSES = ("running", "succeeded", "failed", "dry_run", "abandoned")
 EVENT_KINDS = ("dropped", "changed", "added", "scored", "quarantined", "retired", "held",
                "unselected")
 REVIEW_STATUSES = ("pending", "labelled")
+PAIR_STATUSES = ("ready", "leased", "consumed", "retired")
 
 
 def _now() -> Column:
@@ -55,6 +56,8 @@ runs = Table(
     Column("rows_inserted", BigInteger, nullable=False, server_default="0"),
     Column("rows_sampled", BigInteger, nullable=False, server_default="0"),
     Column("progress", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("parent_run_id", BigInteger, ForeignKey("runs.id", ondelete="SET NULL")),
+    Column("parent_step", Integer),
     _now(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     CheckConstraint(f"status IN {RUN_STATUSES}", name="runs_status_valid"),
@@ -154,6 +157,7 @@ train_steps = Table(
     Column("loss", Float),
     Column("metrics", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("n_experiences", Integer, nullable=False),
+    Column("stage", Text),
     _now(),
     UniqueConstraint("run_id", "step", name="train_steps_run_step"),
 )
@@ -277,4 +281,29 @@ preferences = Table(
            nullable=False),
     Column("source", Text),
     _now(),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("margin", Float),
+    Column("status", Text, nullable=False, server_default="ready"),
+    Column("times_sampled", Integer, nullable=False, server_default="0"),
+    Column("lease_token", UUID(as_uuid=True)),
+    Column("leased_until", DateTime(timezone=True)),
+    CheckConstraint(f"status IN {PAIR_STATUSES}", name="preferences_status_valid"),
+    CheckConstraint("(status = 'leased') = (lease_token IS NOT NULL)",
+                    name="preferences_lease_iff_leased"),
+    CheckConstraint("chosen_id <> rejected_id", name="preferences_two_responses"),
+    UniqueConstraint("chosen_id", "rejected_id", name="preferences_pair"),
+    Index("preferences_ready", "run_id", "id", postgresql_where=text("status = 'ready'")),
+    Index("preferences_lease_token", "lease_token",
+          postgresql_where=text("lease_token IS NOT NULL")),
+)
+
+batch_pairs = Table(
+    "batch_pairs",
+    metadata,
+    Column("train_step_id", BigInteger, ForeignKey("train_steps.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("preference_id", BigInteger, ForeignKey("preferences.id", ondelete="CASCADE"),
+           nullable=False),
+    PrimaryKeyConstraint("train_step_id", "preference_id", name="batch_pairs_pkey"),
+    Index("batch_pairs_preference", "preference_id"),
 )

@@ -25,6 +25,7 @@ FIELDS = ("id", "run_id", "task_id", "group_id", "group_row", "policy_version", 
 ORDERABLE = ("id", "created_at", "reward", "shaped_reward", "priority", "policy_version",
              "group_id", "task_id", "response_len", "times_sampled")
 SELECTABLE_STATUSES = ("raw", "ready", "quarantined")  # never leased, consumed, retired or held
+TRAINABLE_STATUSES = ("ready", "consumed", "quarantined", "retired")  # a stage reading history
 
 WHERE_IDS = """SELECT id FROM experiences
 WHERE (cardinality($1::bigint[]) = 0 OR run_id = ANY($1::bigint[])) AND status = ANY($2::text[])
@@ -64,12 +65,14 @@ def order_clause(order_by: Sequence[str]) -> str:
     return ", ".join(terms + ["e.id ASC"])
 
 
-def select_rows(url: str, source: Source) -> list[dict[str, Any]]:
-    """The source rows as dicts of FIELDS (see the module's rules)."""
-    unknown = set(source.statuses) - set(SELECTABLE_STATUSES)
+def select_rows(url: str, source: Source, *, who: str = "a pipeline",
+                allowed: Sequence[str] = SELECTABLE_STATUSES) -> list[dict[str, Any]]:
+    """The source rows as dicts of FIELDS (see the module's rules); `who` reads only rows in
+    the `allowed` statuses."""
+    unknown = set(source.statuses) - set(allowed)
     if unknown:
-        raise usersql.UserSQLError(f"source.status {sorted(unknown)}: a pipeline reads only "
-                                   f"{', '.join(SELECTABLE_STATUSES)} rows")
+        raise usersql.UserSQLError(f"source.status {sorted(unknown)}: {who} reads only "
+                                   f"{', '.join(allowed)} rows")
     if source.where is not None:
         usersql.check_expression(source.where, "source.where")
     return asyncio.run(_select(url, source))

@@ -20,10 +20,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from reservoir.config import ReservoirConfig, SamplerConfig
 from reservoir.store import engine as engines
-from reservoir.store import ledger, runs, sampler, writer
+from reservoir.store import ledger, preferences, runs, sampler, writer
 from reservoir.store import migrate as migrations
 from reservoir.store.urls import redact
 from reservoir.store.loop import LoopThread
+from reservoir.store.preferences import Pair, PairLease
 from reservoir.store.records import Experience
 from reservoir.store.sampler import Lease
 from reservoir.store.writer import WriteResult
@@ -65,13 +66,14 @@ class AsyncStore:
     async def commit_step(self, lease: Lease, *, step: int, policy_version: int,
                           run: str | None = None, loss: float | None = None,
                           metrics: dict[str, Any] | None = None,
-                          weights: Sequence[float] | None = None) -> int:
+                          weights: Sequence[float] | None = None,
+                          stage: str | None = None) -> int:
         if run is None and len(lease.run_ids) != 1:
             raise ValueError("the lease spans several runs: name the run this step belongs to")
         run_id = self.run_ids(run)[0] if run is not None else lease.run_ids[0]
         return await ledger.commit_step(self.engine, lease, run_id=run_id, step=step,
                                         policy_version=policy_version, loss=loss,
-                                        metrics=metrics, weights=weights)
+                                        metrics=metrics, weights=weights, stage=stage)
 
     async def release(self, lease: Lease) -> int:
         return await sampler.release(self.engine, lease)
@@ -91,6 +93,30 @@ class AsyncStore:
 
     async def retire(self, run: str | Sequence[str]) -> int:
         return await sampler.retire(self.engine, self.run_ids(run), self.flow)
+
+    async def lease_pairs(self, run: str | int | Sequence[str | int], *,
+                          pairs: int | None = None, timeout_s: float | None = None) -> PairLease:
+        """Lease up to `pairs` ready preference pairs (unset: `batch`) of runs (names or
+        ids), oldest first."""
+        flow, given = self.flow, [run] if isinstance(run, (str, int)) else list(run)
+        run_ids = [r if isinstance(r, int) else self.run_ids(r)[0] for r in given]
+        return await preferences.lease_pairs(
+            self.engine, run_ids, pairs=pairs or flow.batch,
+            lease_seconds=flow.lease_seconds, poll_interval_s=flow.poll_interval_s,
+            timeout_s=flow.wait_timeout_s if timeout_s is None else timeout_s)
+
+    async def commit_pairs(self, lease: PairLease, *, step: int, policy_version: int,
+                           run: str | None = None, loss: float | None = None,
+                           metrics: dict[str, Any] | None = None, stage: str | None = None) -> int:
+        if run is None and len(lease.run_ids) != 1:
+            raise ValueError("the lease spans several runs: name the run this step belongs to")
+        run_id = self.run_ids(run)[0] if run is not None else lease.run_ids[0]
+        return await preferences.commit_pairs(self.engine, lease, run_id=run_id, step=step,
+                                              policy_version=policy_version, loss=loss,
+                                              metrics=metrics, stage=stage)
+
+    async def release_pairs(self, lease: PairLease) -> int:
+        return await preferences.release_pairs(self.engine, lease)
 
     async def close(self) -> None:
         await self.engine.dispose()
@@ -153,6 +179,12 @@ class Store:
             return runs.publish_version(conn, self.aio.run_ids(run)[0], version, location=location,
                                  train_step=train_step)
 
+    def add_pairs(self, pairs: Sequence[Pair | tuple]) -> int:
+        """Store preference pairs (chosen_id, rejected_id, margin, source); returns how many
+        were added (pairs already stored are skipped)."""
+        with self.engine.begin() as conn:
+            return preferences.add_pairs(conn, pairs)
+
     write_groups = _blocking(AsyncStore.write_groups)
     lease = _blocking(AsyncStore.lease)
     commit_step = _blocking(AsyncStore.commit_step)
@@ -162,6 +194,9 @@ class Store:
     renew = _blocking(AsyncStore.renew)
     reclaim_expired = _blocking(AsyncStore.reclaim_expired)
     retire = _blocking(AsyncStore.retire)
+    lease_pairs = _blocking(AsyncStore.lease_pairs)
+    commit_pairs = _blocking(AsyncStore.commit_pairs)
+    release_pairs = _blocking(AsyncStore.release_pairs)
 
     def close(self) -> None:
         self._loop.run(self.aio.close())

@@ -2,7 +2,7 @@
 
 `token_logprobs` never materialises a vocabulary-wide float32 `log_softmax` larger than
 CHUNK_ABOVE_BYTES: past that it runs the decoder once, then takes each chunk of positions
-through the output layer and computes the gathered logit minus its `logsumexp`, recomputing each
+through the output layer and its `log_softmax` (and entropy, when asked), recomputing each
 chunk in the backward pass (activation checkpointing) so one chunk's logits are alive at a time.
 Below it, the model's own forward and one `log_softmax` are faster and the memory is small.
 """
@@ -77,15 +77,16 @@ def make_batch(rows: Sequence[LeasedExperience], pad_id: int,
 
 
 def token_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
-                   chunk: int = 1024) -> torch.Tensor:
+                   chunk: int = 1024, entropy: bool = False):
     """log p(token t+1 | tokens <= t) under `model`, [B, L - 1], in float32, `chunk` positions
-    through the output layer at a time."""
+    through the output layer at a time; with `entropy`, (logprobs, entropy of each position's
+    distribution)."""
     head = model.get_output_embeddings()
     targets = batch.input_ids[:, 1:]
     logits_bytes = targets.numel() * head.weight.shape[0] * 4
     if logits_bytes <= CHUNK_ABOVE_BYTES or \
             any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):
-        return full_logprobs(model, batch, temperature)
+        return full_logprobs(model, batch, temperature, entropy=entropy)
     hidden = model.get_decoder()(input_ids=batch.input_ids,
                                  attention_mask=batch.attention_mask).last_hidden_state
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
@@ -96,18 +97,24 @@ def token_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
         args = (head, hidden[start:start + chunk], flat[start:start + chunk], temperature)
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if keep
                      else _chunk_logprobs(*args))
-    return torch.cat(parts).view_as(targets)
+    logprobs = torch.cat([lp for lp, _ in parts]).view_as(targets)
+    if not entropy:
+        return logprobs
+    return logprobs, torch.cat([ent for _, ent in parts]).view_as(targets)
 
 
 def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float() / temperature
-    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
-def full_logprobs(model, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
+def full_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
+                  entropy: bool = False):
     """The same as `token_logprobs` through the vocabulary-wide `log_softmax` (the reference
     the chunked form is tested and benchmarked against)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logprobs = logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    return (logprobs, -(logp.exp() * logp).sum(-1)) if entropy else logprobs

@@ -4,8 +4,8 @@ With `trainer.workers: N > 1` rank 0 starts N-1 followers ("spawn" processes, ha
 as plain data) and joins them with torch.distributed (a TCPStore rendezvous on 127.0.0.1 at a
 port the OS picks; gradients over gloo on CPU, NCCL on GPU; commands always over gloo). Rank r
 takes the r-th GPU, and the trainer's torch threads are shared by its ranks. Every rank builds
-the policy and its optimizer the same way (`load_policy`) and steps with the same settings
-(`train_rows`). Rank 0 alone leases, commits, publishes, evaluates and checkpoints; followers
+its `Learner` (policy, optimizer, the stage's reference and critic) the same way and steps
+with the same settings. Rank 0 alone leases, commits, publishes, evaluates and checkpoints; followers
 open the store only to fetch rows, and obey commands rank 0 broadcasts as int64 tensors (no
 pickle):
 
@@ -26,7 +26,6 @@ ignore SIGINT and stop when told (or are terminated, when rank 0 stops in the mi
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import re
@@ -43,12 +42,15 @@ import torch.distributed as dist
 from reservoir.config import ReservoirConfig
 from reservoir.devices import resolve_device
 from reservoir.errors import RankLost, ReservoirError
-from reservoir.models import load_model
 from reservoir.store import Store
+from reservoir.store.runs import run_id_of
 from reservoir.trainer.batch import TrainBatch, make_batch
-from reservoir.trainer.checkpoint import load_checkpoint
+from reservoir.trainer.learner import Learner
 from reservoir.trainer.seed import seed_everything
-from reservoir.trainer.step import ONE, PRESETS, Precision, Ranks, train_step
+from reservoir.trainer.sft import task_batch
+from reservoir.trainer.feeds import sft_tasks
+from reservoir.trainer.stages import stage_at
+from reservoir.trainer.step import ONE, Ranks
 
 TRAIN, LOAD, STOP = 1, 2, 3
 PAYLOAD = {TRAIN: torch.int64, LOAD: torch.uint8}  # what follows each command's header
@@ -72,27 +74,6 @@ def _reduce(tensor: torch.Tensor) -> None:
     _collective(dist.all_reduce, tensor)
 
 
-def load_policy(config: ReservoirConfig, device: torch.device):
-    """(model, tokenizer, AdamW) on `device`, float32 weights (bf16 is autocast compute), in
-    training mode: built the same way on every rank."""
-    model, tokenizer = load_model(config.model.path)
-    model.to(device)
-    if config.trainer.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()  # no dropout in the models we build; checkpointing needs it
-    return model, tokenizer, torch.optim.AdamW(model.parameters(), lr=config.trainer.lr)
-
-
-def train_rows(model, optimizer, batch: TrainBatch, config: ReservoirConfig,
-               ranks: Ranks = ONE) -> dict[str, float]:
-    """One optimizer step with the trainer's algorithm, precision and micro-batch."""
-    trainer = config.trainer
-    algorithm = dataclasses.replace(PRESETS[trainer.algorithm], tis_cap=trainer.tis_cap)
-    return train_step(model, optimizer, batch, algorithm, micro_batch=trainer.micro_batch,
-                      temperature=config.explorer.temperature, ranks=ranks,
-                      precision=Precision(dtype=trainer.dtype, chunk=trainer.logprob_chunk))
-
-
 def rank_threads(config: ReservoirConfig) -> int:
     """Torch threads of one rank: the trainer's threads shared by its ranks."""
     return max(1, config.torch_threads("trainer") // config.trainer.workers)
@@ -101,10 +82,8 @@ def rank_threads(config: ReservoirConfig) -> int:
 class TrainerPool:
     """Rank 0's side of the pool; with one worker, simply the step on this process's model."""
 
-    def __init__(self, config: ReservoirConfig, model, optimizer, pad_id: int,
-                 device: torch.device) -> None:
-        self.config, self.model, self.optimizer = config, model, optimizer
-        self.pad_id, self.device = pad_id, device
+    def __init__(self, config: ReservoirConfig, learner: Learner) -> None:
+        self.config, self.learner, self.device = config, learner, learner.device
         self.world, self.ranks = config.trainer.workers, ONE
         self.followers: list = []
         self.commands = None  # the gloo group of commands, once the followers joined
@@ -122,13 +101,13 @@ class TrainerPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def train(self, step: int, rows) -> tuple[dict[str, float], TrainBatch]:
-        """Train the step on rows (rank 0's order) across all ranks; (metrics, batch)."""
+    def train(self, step: int, rows, batch: TrainBatch) -> dict[str, float]:
+        """Train the step on `batch`, made of `rows` (rank 0's order; none for a batch of
+        tasks, which every rank makes from the step) across all ranks."""
         with _Busy(self, f"step {step}, which was not committed; continue the run with "
                          "--resume"):
             self._send(TRAIN, step, torch.tensor([row.id for row in rows], dtype=torch.int64))
-            batch = make_batch(rows, self.pad_id, self.device)
-            return train_rows(self.model, self.optimizer, batch, self.config, self.ranks), batch
+            return self.learner.train(step, batch, self.ranks)
 
     def load(self, checkpoint: Path) -> None:
         """Every follower loads the checkpoint rank 0 holds (weights and optimizer state)."""
@@ -280,9 +259,9 @@ class _Follower:
 
     def __init__(self, config: ReservoirConfig, rank: int, store: Store) -> None:
         self.config, self.store, self.world = config, store, config.trainer.workers
-        self.device = resolve_device(config.trainer.device, key="trainer.device", rank=rank)
-        self.model, tokenizer, self.optimizer = load_policy(config, self.device)
-        self.pad_id, self.ranks = tokenizer.pad_token_id, Ranks(rank, self.world, _reduce)
+        self.learner = Learner(config, rank)
+        self.device, self.ranks = self.learner.device, Ranks(rank, self.world, _reduce)
+        self.tasks = None  # (prompt, answer) pairs of sft stages on tasks, read once
 
     def join(self, port: int) -> None:
         rendezvous = dist.TCPStore("127.0.0.1", port, self.world, is_master=False,
@@ -301,18 +280,28 @@ class _Follower:
                 raise ReservoirError(f"unknown command {command} from rank 0")
 
     def load(self, checkpoint: Path) -> None:
-        load_checkpoint(checkpoint, self.model, self.optimizer)
+        self.learner.load(checkpoint)
         _collective(dist.barrier, group=self.commands)
 
     def train(self, step: int, ids: list[int]) -> None:
-        """The step's rows in rank 0's order (the store returns them by id), this rank's
-        share trained."""
-        by_id = {row.id: row for row in self.store.fetch(ids)}
-        if len(by_id) != len(ids):
-            raise ReservoirError(f"step {step}: {len(ids) - len(by_id)} of its {len(ids)} rows "
-                                 "are not in the store")
-        batch = make_batch([by_id[i] for i in ids], self.pad_id, self.device)
-        train_rows(self.model, self.optimizer, batch, self.config, self.ranks)
+        """The step's rows in rank 0's order (the store returns them by id), or the step's
+        tasks; this rank's share trained."""
+        learner = self.learner
+        if ids:
+            by_id = {row.id: row for row in self.store.fetch(ids)}
+            if len(by_id) != len(set(ids)):
+                raise ReservoirError(f"step {step}: {len(set(ids)) - len(by_id)} of its "
+                                     f"{len(ids)} rows are not in the store")
+            batch = make_batch([by_id[i] for i in ids], learner.tokenizer.pad_token_id,
+                               self.device)
+        else:
+            if self.tasks is None:
+                with self.store.engine.connect() as conn:
+                    run_id = run_id_of(conn, self.config.run.name)
+                    self.tasks = [(p, a) for _, p, a in sft_tasks(conn, self.config, run_id)]
+            batch = task_batch(learner.tokenizer, self.tasks, stage_at(learner.plan, step).batch,
+                               seed=self.config.run.seed, step=step).to(self.device)
+        learner.train(step, batch, self.ranks)
 
 
 def _receive(commands) -> tuple[int, int, torch.Tensor | None]:

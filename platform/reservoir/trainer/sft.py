@@ -1,17 +1,17 @@
-"""Supervised warm-up: next-token cross-entropy on (prompt, answer) pairs in the chat format.
+"""Batches of (prompt, answer) pairs in the chat format for sft on tasks (the warm-up).
 
 A freshly built tiny model writes noise, so every sampled group scores 0 and GRPO has no
-signal; a short warm-up on part of the train tasks gives it one.
+signal; a short sft stage on part of the train tasks gives it one.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from reservoir.trainer.batch import token_logprobs, TrainBatch
+from reservoir.trainer.batch import TrainBatch
 
 
 def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]) -> TrainBatch:
@@ -35,26 +35,10 @@ def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]) -> TrainBatch:
     return TrainBatch(ids, attention, mask, torch.zeros_like(mask), zeros, zeros.long())
 
 
-def warm_up(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int, batch_size: int,
-            lr: float, seed: int = 0, stop: Callable[[], bool] = lambda: False,
-            progress: Callable[[int, float], None] = lambda step, loss: None) -> list[float]:
-    """`steps` AdamW steps of answer-token cross-entropy; returns the loss per step. `stop` is
-    asked before every step (fewer losses come back when it said yes); `progress` hears each
-    step's number and loss."""
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, device = [], next(model.parameters()).device
-    model.train()
-    for step in range(1, steps + 1):
-        if stop():
-            break
-        batch = sft_batch(tokenizer, rng.sample(list(pairs), min(batch_size, len(pairs))))
-        batch = batch.to(device)
-        logprobs = token_logprobs(model, batch)
-        loss = -(logprobs * batch.mask).sum() / batch.mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        progress(step, losses[-1])
-    return losses
+def task_batch(tokenizer, pairs: Sequence[tuple[str, str]], size: int, *, seed: int,
+               step: int) -> TrainBatch:
+    """Step `step`'s batch of an sft stage on tasks: `size` (prompt, answer) pairs drawn
+    without replacement by a generator seeded from (seed, step), so any rank, and a resumed
+    trainer, draws the same batch for the same step."""
+    rng = random.Random(f"{seed}:{step}")
+    return sft_batch(tokenizer, rng.sample(list(pairs), min(size, len(pairs))))

@@ -16,27 +16,13 @@ from typing import Callable
 import torch
 
 from reservoir.devices import autocast
-from reservoir.trainer.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, aggregate
+from reservoir.trainer.algorithms import (ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, Episodes,
+                                          aggregate, call, gae)
 from reservoir.trainer.batch import TrainBatch, token_logprobs
+from reservoir.trainer.presets import PRESETS, Algorithm
 
-
-@dataclass(frozen=True)
-class Algorithm:
-    advantage: str = "grpo"
-    policy_loss: str = "clipped"
-    kl_estimator: str = "k3"
-    kl_coef: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    aggregation: str = "token-mean"
-    tis_cap: float | None = None  # truncated importance sampling of the engine's samples
-
-
-PRESETS = {
-    "grpo": Algorithm(),
-    "grpo-kl": Algorithm(kl_coef=0.01, kl_estimator="k3"),
-    "dr-grpo": Algorithm(aggregation="seq-mean-token-sum"),
-}
+__all__ = ["Algorithm", "PRESETS", "Precision", "Ranks", "ONE", "train_step", "optimizer_step",
+           "sum_gradients", "sum_metrics"]
 
 
 @dataclass(frozen=True)
@@ -60,73 +46,151 @@ class Precision:
     chunk: int = 1024            # positions per chunk of the output layer
 
 
+@dataclass
+class _Prepared:
+    """What the step computes over the whole batch before its micro-batches."""
+
+    advantages: torch.Tensor
+    metrics: dict[str, float]
+    old_values: torch.Tensor | None = None     # the critic's, before the step
+    returns: torch.Tensor | None = None        # the critic's targets
+
+
 def train_step(model, optimizer, batch: TrainBatch, algorithm: Algorithm, *,
-               micro_batch: int, temperature: float = 1.0, reference=None,
+               micro_batch: int, temperature: float = 1.0, reference=None, critic=None,
                max_grad_norm: float | None = 1.0, precision: Precision = Precision(),
                ranks: Ranks = ONE) -> dict[str, float]:
     """Compute advantages for the batch, accumulate gradients over micro-batches, step.
 
-    Micro-batch losses are weighted by their share of the batch's tokens (token-mean) or
-    sequences (the per-sequence aggregations), so the gradient equals the full batch's.
+    `reference` is the frozen model KL is measured against (needed when kl_coef > 0);
+    `critic` the value model the gae advantage reads (trainer/critic.py), stepped with its own
+    optimizer. Micro-batch losses are weighted by their share of the batch's tokens
+    (token-mean) or sequences (the per-sequence aggregations), so the gradient equals the full
+    batch's.
     """
-    advantages, metrics = ADVANTAGES.get(algorithm.advantage)(batch.rewards, batch.group_index)
+    _check_models(algorithm, reference, critic)
+    prepared = _prepare(batch, algorithm, reference, critic, temperature, precision,
+                        micro_batch)
     total_tokens, total_rows = float(batch.mask.sum()), len(batch)
     optimizer.zero_grad(set_to_none=True)
+    if critic is not None:
+        critic.optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {"loss": 0.0}
     share = ranks.share(total_rows)
     for start in range(share.start, share.stop, micro_batch):
         rows = slice(start, min(start + micro_batch, share.stop))
         part = batch.rows(rows)
-        loss, parts = _micro_batch_loss(model, part, advantages[rows], algorithm, temperature,
-                                        reference, precision)
         weight = (float(part.mask.sum()) / total_tokens if algorithm.aggregation == "token-mean"
                   else len(part) / total_rows)
+        loss, parts = _micro_batch_loss(model, part, rows, prepared, algorithm, temperature,
+                                        reference, precision)
+        if critic is not None:
+            critic_loss, critic_parts = critic.loss(part, prepared.old_values[rows],
+                                                    prepared.returns[rows],
+                                                    algorithm.aggregation, precision.dtype)
+            (critic_loss * weight).backward()
+            parts |= critic_parts | {"critic/loss": float(critic_loss.detach())}
         (loss * weight).backward()
         sums["loss"] += float(loss.detach()) * weight
         for name, value in parts.items():
             sums[name] = sums.get(name, 0.0) + value * len(part) / total_rows
+    metrics = prepared.metrics
     if ranks.world > 1:
-        _sum_gradients(model, ranks)
-        sums = _sum_metrics(sums, ranks, model)
-    if max_grad_norm is not None:
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                                    max_grad_norm))
-    optimizer.step()
+        sum_gradients(model, ranks)
+        if critic is not None:
+            sum_gradients(critic.model, ranks)
+        sums = sum_metrics(sums, ranks, model)
+    metrics |= optimizer_step(model, optimizer, max_grad_norm, "grad_norm")
+    if critic is not None:
+        metrics |= optimizer_step(critic.model, critic.optimizer, max_grad_norm, "critic/grad_norm")
     return {**metrics, **sums, "reward_mean": float(batch.rewards.mean()),
             "train_tokens": total_tokens}
 
 
-def _micro_batch_loss(model, part: TrainBatch, advantages: torch.Tensor, algorithm: Algorithm,
-                      temperature: float, reference,
+def _check_models(algorithm: Algorithm, reference, critic) -> None:
+    if algorithm.needs_reference and reference is None:
+        raise ValueError("this algorithm measures KL: pass the frozen reference model")
+    if algorithm.needs_critic and critic is None:
+        raise ValueError("the gae advantage needs a critic (trainer.critic)")
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float | None, name: str) -> dict[str, float]:
+    metrics = {}
+    if max_grad_norm is not None:
+        metrics[name] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    return metrics
+
+
+def _prepare(batch: TrainBatch, algorithm: Algorithm, reference, critic, temperature: float,
+             precision: Precision, micro_batch: int) -> _Prepared:
+    """Advantages of the whole batch (groups and whitening span it), with the KL folded into
+    the reward and the critic's values and targets where the algorithm asks for them."""
+    token_rewards = ref_logprobs = values = returns = None
+    metrics: dict[str, float] = {}
+    if algorithm.kl_coef > 0 and algorithm.kl_in == "reward":
+        ref_logprobs = _no_grad_logprobs(reference, batch, temperature, precision, micro_batch)
+        sampled = torch.where(batch.old_logprobs.isnan(), ref_logprobs, batch.old_logprobs)
+        kl = KL_ESTIMATORS.get(algorithm.kl_estimator)(sampled, ref_logprobs)
+        token_rewards = -algorithm.kl_coef * kl * batch.mask
+        metrics["kl"] = float(aggregate(kl, batch.mask))
+    if critic is not None:
+        values = critic.values(batch, micro_batch, precision.dtype) * batch.mask
+    episodes = Episodes(batch.rewards, batch.group_index, batch.mask, token_rewards, values)
+    advantages, found = call(ADVANTAGES.get(algorithm.advantage), episodes,
+                             **algorithm.options())
+    if critic is not None:
+        _, returns = gae(episodes.dense_rewards(), values, batch.mask, gamma=algorithm.gamma,
+                         lam=algorithm.lam)
+    return _Prepared(advantages, metrics | found, values, returns)
+
+
+def _no_grad_logprobs(model, batch: TrainBatch, temperature: float, precision: Precision,
+                      micro_batch: int) -> torch.Tensor:
+    with torch.no_grad(), autocast(batch.input_ids.device, precision.dtype):
+        return torch.cat([token_logprobs(model, batch.rows(slice(start, start + micro_batch)),
+                                         temperature, chunk=precision.chunk)
+                          for start in range(0, len(batch), micro_batch)])
+
+
+def _micro_batch_loss(model, part: TrainBatch, rows: slice, prepared: _Prepared,
+                      algorithm: Algorithm, temperature: float, reference,
                       precision: Precision) -> tuple[torch.Tensor, dict[str, float]]:
-    """The micro-batch's loss and its metrics (policy, importance weights, KL)."""
+    """The micro-batch's loss and its metrics (policy, importance weights, KL, entropy)."""
     device = part.input_ids.device
     with autocast(device, precision.dtype):
-        logprobs = token_logprobs(model, part, temperature, chunk=precision.chunk)
+        out = token_logprobs(model, part, temperature, chunk=precision.chunk,
+                             entropy=algorithm.entropy_coef > 0)
+    logprobs, entropy = out if algorithm.entropy_coef > 0 else (out, None)
+    advantages = prepared.advantages[rows]
     engine = torch.where(part.old_logprobs.isnan(), logprobs.detach(), part.old_logprobs)
     old, parts = engine, {}
     if algorithm.tis_cap is not None:  # ratio against the trainer's own old policy, and each
         weight = torch.exp(logprobs.detach() - engine).clamp(max=algorithm.tis_cap)  # token
-        advantages = advantages[:, None] * weight  # weighted by min(p_train / p_engine, C)
+        per_token = advantages[:, None] if advantages.dim() == 1 else advantages
+        advantages = per_token * weight  # weighted by min(p_train / p_engine, C)
         old = logprobs.detach()
         parts = {"tis/weight_mean": float(aggregate(weight, part.mask)),
                  "tis/truncated": float(aggregate((weight >= algorithm.tis_cap).float(),
                                                   part.mask))}
-    loss, policy = POLICY_LOSSES.get(algorithm.policy_loss)(
-        logprobs, old, advantages, part.mask, clip_low=algorithm.clip_low,
-        clip_high=algorithm.clip_high, aggregation=algorithm.aggregation)
+    loss, policy = call(POLICY_LOSSES.get(algorithm.policy_loss), logprobs, old, advantages,
+                        part.mask, **algorithm.options())
     parts |= policy
-    if reference is not None and algorithm.kl_coef > 0:
+    if algorithm.kl_coef > 0 and algorithm.kl_in == "loss":
         with torch.no_grad(), autocast(device, precision.dtype):
             ref_logprobs = token_logprobs(reference, part, temperature, chunk=precision.chunk)
         kl = aggregate(KL_ESTIMATORS.get(algorithm.kl_estimator)(logprobs, ref_logprobs),
                        part.mask, algorithm.aggregation)
         loss = loss + algorithm.kl_coef * kl
         parts["kl"] = float(kl.detach())
+    if entropy is not None:
+        mean_entropy = aggregate(entropy, part.mask, algorithm.aggregation)
+        loss = loss - algorithm.entropy_coef * mean_entropy
+        parts["entropy"] = float(mean_entropy.detach())
     return loss, parts
 
 
-def _sum_gradients(model, ranks: Ranks) -> None:
+def sum_gradients(model, ranks: Ranks) -> None:
     """Every rank's gradients summed into every rank, as one flat buffer (one collective)."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -138,7 +202,7 @@ def _sum_gradients(model, ranks: Ranks) -> None:
         offset += grad.numel()
 
 
-def _sum_metrics(sums: dict[str, float], ranks: Ranks, model) -> dict[str, float]:
+def sum_metrics(sums: dict[str, float], ranks: Ranks, model) -> dict[str, float]:
     """Each rank's share-weighted metric sums added up (every rank has rows, so every rank
     holds the same names)."""
     names = sorted(sums)

@@ -1,18 +1,21 @@
-"""The trainer worker: lease whole groups, take a GRPO step, commit it, publish weights.
+"""The trainer worker: train a run's stages in order, commit every step, publish weights.
 
 It runs in any process (a Ray actor under `reservoir run`, the CLI's own under `reservoir
-train`) and meets explorers only in the store. A fresh run starts by measuring the start
-policy, an optional supervised warm-up, and step 0 with policy version 0. Every step leases
-`batch_groups` groups no staler than the mode allows, trains, and commits through the ledger;
-every `sync_interval` steps it publishes the weights (a file, a policy_versions row, a NOTIFY).
-With `trainer.workers: N > 1` the steps are data-parallel: this worker is rank 0 of a pool whose
-other ranks train their share of each step in processes of their own (trainer/ranks.py); only
-rank 0 talks to the store's ledger, publishes, evaluates and checkpoints, and the other ranks
-load each checkpoint it starts or resumes from.
+train`) and meets explorers only in the store. A fresh run measures the start policy and
+records step 0; then each stage (trainer/stages.py) trains its steps on its data
+(trainer/feeds.py): explorers' groups, the tasks' answers, stored experiences or preference
+pairs. Each step commits through the ledger with its stage's name. A stage that trains on
+explorers publishes a policy version when it starts and every `sync_interval` of its steps
+(a file, a policy_versions row, a NOTIFY); explorers pace themselves by the same plan.
+With `trainer.workers: N > 1` the steps are data-parallel: this worker is rank 0 of a pool
+whose other ranks train their share of each step in processes of their own
+(trainer/ranks.py); only rank 0 talks to the store's ledger, publishes, evaluates and
+checkpoints, and the other ranks load each checkpoint it starts a stage or resumes from.
 
-Resuming reloads the last checkpoint and then replays, from the ledger, every step committed
-after it (the same rows, in the same order), so the model continues exactly; leases the dead
-trainer held go back to ready.
+Resuming reloads the last checkpoint (and the stage state that goes with it: the stage's
+reference, its critic) and then replays, from the ledger, every step committed after it (the
+same rows, in the same order; the same task draws), so the model continues exactly; leases
+the dead trainer held go back to ready.
 """
 
 from __future__ import annotations
@@ -27,21 +30,22 @@ import torch
 from rich.console import Console
 
 from reservoir.config import ReservoirConfig
-from reservoir.devices import resolve_device
-from reservoir.errors import ConfigError, FlowControlTimeout
+from reservoir.errors import ConfigError
 from reservoir.models import save_weights
 from reservoir.prepare import check_model, check_resumable
 from reservoir.store import Store
-from reservoir.store.ledger import add_step_metrics, last_step, record_step, step_experiences
+from reservoir.store.ledger import add_step_metrics, last_step, record_step
 from reservoir.store.retry import Patience
-from reservoir.store.runs import run_id_of, set_status
+from reservoir.store.runs import run_id_of, set_progress, set_status, version_by
 from reservoir.store.tasks import split_tasks
-from reservoir.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from reservoir.trainer.ranks import TrainerPool, load_policy, rank_threads
+from reservoir.trainer.checkpoint import latest_checkpoint
+from reservoir.trainer.feeds import Context, Feed, feed_for
+from reservoir.trainer.learner import Learner
+from reservoir.trainer.ranks import TrainerPool, rank_threads
 from reservoir.trainer.seed import seed_everything
-from reservoir.trainer.warmup import warm_up_stage
+from reservoir.trainer.stages import Stage
 
-LEASE_POLL_S = 1.0  # between lease attempts, check for a stop request
+PROGRESS_EVERY_S = 1.0  # runs.progress is written at most this often
 # held-out accuracy of (model, tokenizer) on (id, prompt, answer) tasks; the coordinator
 # supplies it (the trainer does not import the explorer, which owns engines and rewards)
 Evaluate = Callable[[object, object, list], float]
@@ -62,20 +66,21 @@ class TrainerWorker:
         self.config, self.resume, self.evaluate = config, resume, evaluate
         self.console = console or Console(stderr=True)
         self.summary = RunSummary(config.run.name)
-        self.started = False  # step 0 is recorded: there is a state worth a checkpoint
         self.patience = Patience(config.store.outage_patience_s, say=lambda line:
                                  self.console.print(line, markup=False, highlight=False))
         self._stop = threading.Event()
+        self._progress_at = 0.0
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def run(self) -> RunSummary:
-        """Train to trainer.steps (or until stopped); the run ends finished or stopped."""
+        """Train every stage (or until stopped); the run ends finished or stopped."""
         check_model(self.config)
         torch.set_num_threads(rank_threads(self.config))
         seed_everything(self.config.run.seed)
-        self._load_policy()
+        self.learner = Learner(self.config)
+        self.plan, self.version = self.learner.plan, None  # the last version published
         with Store.open(self.config, quiet=True) as store:
             self.store = store
             with store.engine.connect() as conn:
@@ -84,11 +89,9 @@ class TrainerWorker:
             self._check_can_start()
             try:
                 self._set_status("running")
-                with TrainerPool(self.config, self.policy, self.optimizer,
-                                 self.tokenizer.pad_token_id, self.device) as self.pool:
-                    first = self._resume() if self.resume else self._start()
-                    if first is not None:  # None: stopped during the warm-up
-                        self._train(first)
+                with TrainerPool(self.config, self.learner) as self.pool:
+                    first, committed = self._resume() if self.resume else self._start()
+                    self._train(first, committed)
             except KeyboardInterrupt:
                 self._stop.set()
             except BaseException:
@@ -96,11 +99,6 @@ class TrainerWorker:
                 raise
             self._finish()
         return self.summary
-
-    def _load_policy(self) -> None:
-        """The policy on trainer.device and its optimizer, built as every rank builds them."""
-        self.device = resolve_device(self.config.trainer.device, key="trainer.device")
-        self.policy, self.tokenizer, self.optimizer = load_policy(self.config, self.device)
 
     def _check_can_start(self) -> None:
         with self.store.engine.connect() as conn:
@@ -115,6 +113,10 @@ class TrainerWorker:
     def checkpoints(self) -> Path:
         return Path(self.config.trainer.checkpoint_dir) / self.config.run.name
 
+    @property
+    def last(self) -> int:
+        return self.plan[-1].last_step
+
     def _set_status(self, status: str) -> None:
         def write() -> None:
             with self.store.engine.begin() as conn:
@@ -123,12 +125,10 @@ class TrainerWorker:
         self.patience(write, f"run status {status}")
 
     def _finish(self) -> None:
-        if self._stop.is_set() and self.summary.steps < self.config.trainer.steps:
+        self._progress(None)
+        if self._stop.is_set() and self.summary.steps < self.last:
             self.summary.stopped = True
             self._set_status("stopped")
-            if not self.started:
-                self.console.print("stopped during the warm-up; `--resume` starts it again")
-                return
             self._checkpoint()
             self.console.print(f"stopped after step {self.summary.steps}; checkpoint saved, "
                                "resume with --resume")
@@ -137,145 +137,149 @@ class TrainerWorker:
 
     # -- starting and resuming -------------------------------------------------------------
 
-    def _start(self) -> int | None:
-        """Measure the start policy, warm up, record step 0 and publish version 0 (both kept if
-        an earlier attempt recorded them: the seeded warm-up makes the same weights); None if a
-        stop came during the warm-up."""
+    def _start(self) -> tuple[int, int]:
+        """Measure the start policy and record step 0 (kept if an earlier attempt recorded
+        it); (first step to train, last committed step)."""
         self.summary.accuracy.append(("start", self._evaluate()))
-        metrics = {"eval/accuracy_start": self.summary.accuracy[-1][1]}
-        location = str(self.config.model.path)
-        if self.config.trainer.warmup_steps:
-            warmed = warm_up_stage(self.store, self.run_id, self.config, self.policy,
-                                   self.tokenizer, stop=self._stop.is_set,
-                                   console=self.console)
-            if warmed is None:
-                return None
-            metrics |= warmed
-            self.summary.accuracy.append(("warm-up", self._evaluate()))
-            location = str(save_weights(self.policy, self._weights_path(0)))
+        accuracy = self.summary.accuracy[-1][1]
         with self.store.engine.begin() as conn:
             record_step(conn, self.run_id, 0, policy_version=0,
-                        metrics=metrics | {"eval/accuracy": self.summary.accuracy[-1][1]})
-        self.store.publish_version(self.config.run.name, 0, location=location, train_step=0)
-        self.pool.load(self._checkpoint())  # the other ranks start from rank 0's weights
-        self.started = True
-        return 1
+                        metrics={"eval/accuracy_start": accuracy, "eval/accuracy": accuracy})
+        with self.store.engine.connect() as conn:
+            return 1, last_step(conn, self.run_id) or 0
 
-    def _resume(self) -> int | None:
-        """Reload the last checkpoint (or, for a trainer killed before its first one, start
-        again from the model folder), replay later committed steps, free lost leases."""
+    def _resume(self) -> tuple[int, int]:
+        """Reload the last checkpoint (none: start again), free lost leases; (first step to
+        train or replay, last committed step)."""
         checkpoint = latest_checkpoint(self.checkpoints)
         if checkpoint is None:
-            if self._start() is None:
-                return None
-            resumed_step, origin = 0, "the start (no checkpoint yet)"
+            first, committed = self._start()
+            origin = "the start (no checkpoint yet)"
         else:
-            resumed = load_checkpoint(checkpoint, self.policy, self.optimizer)
+            resumed = self.learner.load(checkpoint)
             self.pool.load(checkpoint)
             self.summary.steps, self.summary.version = resumed.step, resumed.version
-            resumed_step, origin = resumed.step, f"{checkpoint.name} (step {resumed.step})"
-            self.started = True
-        with self.store.engine.connect() as conn:
-            committed = last_step(conn, self.run_id) or 0
-        for step in range(resumed_step + 1, committed + 1):
-            self._replay(step)
+            with self.store.engine.connect() as conn:
+                published = version_by(conn, self.run_id, resumed.step)
+            self.version = None if published is None else published[0]
+            first, origin = resumed.step + 1, f"{checkpoint.name} (step {resumed.step})"
+            with self.store.engine.connect() as conn:
+                committed = last_step(conn, self.run_id) or 0
         released = self.store.release_runs(self.config.run.name)
         self.console.print(f"resumed run {self.summary.run!r} from {origin}; replayed "
-                           f"{committed - resumed_step} committed steps from the ledger; "
+                           f"{max(0, committed - first + 1)} committed steps from the ledger; "
                            f"released {released} leased rows")
-        return committed + 1
+        return first, committed
 
-    def _replay(self, step: int) -> None:
+    # -- the stages ------------------------------------------------------------------------
+
+    def _train(self, first: int, committed: int) -> None:
+        context = Context(self.config, self.store, self.run_id, self.learner.tokenizer,
+                          self.learner.device, self.patience, self._stop,
+                          lambda: self.summary.version)
+        for stage in self.plan:
+            if stage.last_step < first:
+                continue
+            if first <= stage.first_step:
+                self._begin(stage)
+            feed = feed_for(context, stage)
+            for step in range(max(first, stage.first_step), stage.last_step + 1):
+                if step <= committed:
+                    self._replay(feed, stage, step)
+                elif not self._step(feed, stage, step):
+                    return
+                if self._stop.is_set() and step < self.last:
+                    return
+            self._end(stage)
+
+    def _begin(self, stage: Stage) -> None:
+        """Enter a stage: fresh optimizer, critic, reference (the weights now, saved as the
+        checkpoint of the step before its first); explorer stages publish these weights."""
+        self.learner.begin(stage)
+        self.pool.load(self._checkpoint())  # the other ranks begin it from the same state
+        if stage.explores:
+            self._publish(stage.first_step - 1, first=True)
+        self.console.print(f"stage {stage.name!r}: {stage.steps} steps of "
+                           f"{_describe(stage)} (steps {stage.first_step}..{stage.last_step})")
+
+    def _end(self, stage: Stage) -> None:
+        step = stage.last_step
+        if not self.summary.accuracy or self.summary.accuracy[-1][0] != step:
+            self._record_accuracy(step)
+        if self.summary.steps == step:
+            self._checkpoint()
+
+    def _step(self, feed: Feed, stage: Stage, step: int) -> bool:
+        """Draw, train and commit one step; False if a stop came while waiting for data."""
+        draw = feed.draw(step)
+        if draw is None:
+            return False
+        try:
+            metrics = draw.metrics | self._learn(step, stage, draw.rows, draw.batch)
+        except BaseException:
+            draw.release()
+            raise
+        draw.commit(step, metrics)
+        self._after(stage, step, metrics)
+        return True
+
+    def _replay(self, feed: Feed, stage: Stage, step: int) -> None:
         """Retrain a committed step on exactly its ledger rows (no new commit)."""
-        with self.store.engine.connect() as conn:
-            ids = step_experiences(conn, self.run_id, step)
-        self._learn(step, self.store.fetch(ids))
+        rows, batch = feed.replay(step)
+        self._learn(step, stage, rows, batch)
         self.summary.steps = step
-        if step % self.config.trainer.sync_interval == 0:
+        if stage.explores and (step - stage.first_step + 1) % self.config.trainer.sync_interval == 0:
             self._publish(step)
 
-    # -- the loop ----------------------------------------------------------------------------
+    def _after(self, stage: Stage, step: int, metrics: dict) -> None:
+        """A committed step's publication, evaluation, checkpoint and progress."""
+        trainer, in_stage = self.config.trainer, step - stage.first_step + 1
+        self.summary.steps = step
+        if stage.explores and in_stage % trainer.sync_interval == 0:
+            self._publish(step)
+        if not stage.data.tasks and in_stage % trainer.eval_interval == 0:
+            self._record_accuracy(step)
+        if step % trainer.checkpoint_interval == 0:
+            self._checkpoint()
+        self._progress({"stage": stage.name, "step": in_stage, "of": stage.steps,
+                        "loss": round(metrics["loss"], 4)}, final=in_stage == stage.steps)
 
-    def _train(self, first: int) -> None:
-        trainer = self.config.trainer
-        for step in range(first, trainer.steps + 1):
-            waited = time.monotonic()
-            lease = self._lease()
-            if lease is None:
-                return
-            waited = time.monotonic() - waited
-            try:
-                metrics = self._learn(step, sorted(lease.rows, key=lambda row: row.id))
-            except BaseException:
-                self.store.release(lease)
-                raise
-            partial = lease.partial_groups()
-            metrics |= {"wait_s": waited, "partial_groups": len(partial),
-                        "partial_group_rows": sum(got for got, _ in partial.values())}
-            self._commit(lease, step, metrics)
-            self.summary.steps = step
-            if step % trainer.sync_interval == 0:
-                self._publish(step)
-            if step % trainer.eval_interval == 0 or step == trainer.steps:
-                self._record_accuracy(step)
-            if step % trainer.checkpoint_interval == 0 or step == trainer.steps:
-                self._checkpoint()
-            if self._stop.is_set():
-                return
-
-    def _lease(self):
-        """Whole groups no staler than allowed; None if a stop came while waiting."""
-        config, started = self.config, time.monotonic()
-        floor = self.summary.version - config.staleness
-        lease = lambda: self.store.lease(  # noqa: E731
-            config.run.name, groups=config.trainer.batch_groups, min_policy_version=floor,
-            timeout_s=LEASE_POLL_S)
-        while not self._stop.is_set():
-            try:  # a lease lost with the connection is handed back before the next try
-                return self.patience(lease, "trainer lease", before_retry=lambda:
-                                     self.store.release_runs(config.run.name))
-            except FlowControlTimeout:
-                if time.monotonic() - started > config.trainer.wait_timeout_s:
-                    raise FlowControlTimeout(
-                        f"trainer.wait_timeout_s: no batch of {config.trainer.batch_groups} "
-                        f"groups (version >= {floor}) came in {config.trainer.wait_timeout_s:g}s;"
-                        " is an explorer running (`reservoir explore CONFIG`)?") from None
-        return None
-
-    def _commit(self, lease, step: int, metrics: dict) -> None:
-        """Commit the step through the ledger. If the connection dropped while committing, the
-        commit may have gone through: the retry looks before it commits again."""
-        retried = []
-
-        def once() -> None:
-            if retried and self.store.step_committed(self.config.run.name, step):
-                return
-            self.store.commit_step(lease, step=step, policy_version=self.summary.version,
-                                   loss=metrics["loss"], metrics=metrics)
-
-        self.patience(once, f"trainer step {step}", before_retry=lambda: retried.append(1))
-
-    def _learn(self, step: int, rows) -> dict[str, float]:
-        """One optimizer step on rows, on every rank of the pool; metrics include staleness
-        and throughput."""
+    def _learn(self, step: int, stage: Stage, rows, batch) -> dict[str, float]:
+        """One optimizer step on every rank of the pool; metrics include staleness (of
+        explorers' rows) and throughput."""
         started = time.monotonic()
-        metrics, batch = self.pool.train(step, rows)
-        staleness = [self.summary.version - row.policy_version for row in rows]
+        metrics = self.pool.train(step, rows, batch)
         seconds = time.monotonic() - started
-        return metrics | {"staleness_mean": sum(staleness) / len(staleness),
-                          "staleness_max": max(staleness), "train_s": seconds,
-                          "train_tokens_per_s": metrics["train_tokens"] / seconds,
-                          "response_len_mean": float(batch.mask.sum(1).mean()),
-                          **_peak_memory(self.device)}
+        metrics |= {"train_s": seconds, "train_tokens_per_s": metrics["train_tokens"] / seconds,
+                    "response_len_mean": float(batch.mask.sum(1).mean()),
+                    **_peak_memory(self.learner.device)}
+        if stage.explores:
+            staleness = [self.summary.version - row.policy_version for row in rows]
+            metrics |= {"staleness_mean": sum(staleness) / len(staleness),
+                        "staleness_max": max(staleness)}
+        return metrics
 
-    def _publish(self, step: int) -> None:
-        version = self.summary.version + 1
-        path = save_weights(self.policy, self._weights_path(version))
+    # -- publishing, checkpoints, evaluation, progress ------------------------------------
+
+    def _publish(self, step: int, first: bool = False) -> None:
+        """Publish the weights as the next version (version 0 is the model folder's weights
+        when nothing trained them yet)."""
+        version = 0 if self.version is None else self.summary.version + 1
+        if first and self.version is not None and self._published_at(step):
+            return  # the last version is these weights already
+        untouched = version == 0 and step == 0
+        location = (str(self.config.model.path) if untouched
+                    else str(save_weights(self.learner.model, self._weights_path(version))))
         self.patience(lambda: self.store.publish_version(self.config.run.name, version,
-                                                         location=str(path), train_step=step),
+                                                         location=location, train_step=step),
                       f"publishing version {version}")
-        self.summary.version = version
+        self.summary.version = self.version = version
         self._prune_weights(keep=self.config.staleness + 3)
+
+    def _published_at(self, step: int) -> bool:
+        with self.store.engine.connect() as conn:
+            latest = version_by(conn, self.run_id)
+        return latest is not None and latest == (self.version, step)
 
     def _weights_path(self, version: int) -> Path:
         return self.checkpoints / "policy" / f"v{version:06d}.safetensors"
@@ -287,17 +291,25 @@ class TrainerWorker:
             path.unlink(missing_ok=True)
 
     def _checkpoint(self) -> Path:
-        return save_checkpoint(self.checkpoints, self.summary.steps, self.summary.version,
-                               self.policy, self.optimizer)
+        return self.learner.save(self.checkpoints, self.summary.steps, self.summary.version)
+
+    def _progress(self, progress: dict | None, final: bool = False) -> None:
+        """runs.progress (the live table's stage line), at most once every PROGRESS_EVERY_S."""
+        now = time.monotonic()
+        if progress is not None and not final and now - self._progress_at < PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        with self.store.engine.begin() as conn:
+            set_progress(conn, self.run_id, progress or {})
 
     def _evaluate(self) -> float:
         if self.evaluate is None or not self.held_out:
             return float("nan")
-        self.policy.eval()  # generate with the KV cache, not through checkpointed layers
+        self.learner.model.eval()  # generate with the KV cache, not through checkpointed layers
         try:
-            return self.evaluate(self.policy, self.tokenizer, self.held_out)
+            return self.evaluate(self.learner.model, self.learner.tokenizer, self.held_out)
         finally:
-            self.policy.train()
+            self.learner.model.train()
 
     def _record_accuracy(self, step: int) -> None:
         self.summary.accuracy.append((step, self._evaluate()))
@@ -308,6 +320,12 @@ class TrainerWorker:
                                  {"eval/accuracy": self.summary.accuracy[-1][1]})
 
         self.patience(record, f"held-out accuracy of step {step}")
+
+
+def _describe(stage: Stage) -> str:
+    algorithm = stage.algorithm
+    return (f"{algorithm.preference_loss or algorithm.policy_loss} loss, "
+            f"{algorithm.advantage} advantages, on {stage.data.kind}")
 
 
 def _peak_memory(device: torch.device) -> dict[str, float]:

@@ -1,0 +1,215 @@
+"""Where a stage's batches come from, and how each step's use of them enters the ledger.
+
+- explorers: whole groups leased from the run's ready rows (no staler than the mode allows);
+  the commit consumes them.
+- tasks: (prompt, answer) pairs of the run's train tasks, drawn by step; the step is recorded
+  with no experiences.
+- stored: earlier experiences (trainer/stored.py), read without a lease; the step's ledger
+  rows point at them, whichever run wrote them.
+- preferences: chosen/rejected pairs leased from `preferences`; the commit consumes them and
+  records both responses.
+
+`draw(step)` gives a `Draw` (rows, batch, and how to commit or give it back); `replay(step)`
+gives the rows or batch a committed step trained on, from the ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from reservoir.config import ReservoirConfig
+from reservoir.errors import FlowControlTimeout
+from reservoir.store import Store
+from reservoir.store.ledger import record_step, step_experiences, step_pairs
+from reservoir.store.retry import Patience
+from reservoir.store.tasks import mark_explored, split_tasks
+from reservoir.trainer.batch import TrainBatch, make_batch
+from reservoir.trainer.sft import task_batch
+from reservoir.trainer.stages import Stage
+from reservoir.trainer.stored import read_stored
+
+LEASE_POLL_S = 1.0  # between lease attempts, check for a stop request
+
+
+@dataclass
+class Context:
+    config: ReservoirConfig
+    store: Store
+    run_id: int
+    tokenizer: object
+    device: object
+    patience: Patience
+    stop: threading.Event
+    version: Callable[[], int]   # the policy version the trainer holds
+
+
+@dataclass
+class Draw:
+    rows: list                    # the experiences in batch order (none for tasks)
+    batch: TrainBatch
+    commit: Callable[[int, dict], None]   # (step, metrics): the step enters the ledger
+    release: Callable[[], None] = lambda: None
+    metrics: dict = field(default_factory=dict)
+
+
+def sft_tasks(conn, config: ReservoirConfig, run_id: int) -> list[tuple[int, str, str]]:
+    """(id, prompt, answer) of the first trainer.warmup_fraction of the run's train tasks."""
+    train = split_tasks(conn, run_id, "train")
+    return [(task_id, prompt, answer or "") for task_id, prompt, answer in
+            train[:max(1, int(len(train) * config.trainer.warmup_fraction))]]
+
+
+class Feed:
+    def __init__(self, context: Context, stage: Stage) -> None:
+        self.context, self.stage = context, stage
+
+    def begin(self) -> None:
+        """Prepare the stage's data (once, when the stage starts or resumes)."""
+
+    def _batch(self, rows) -> TrainBatch:
+        return make_batch(rows, self.context.tokenizer.pad_token_id, self.context.device)
+
+    def _record(self, ids: list[int]) -> Callable[[int, dict], None]:
+        context = self.context
+
+        def commit(step: int, metrics: dict) -> None:
+            with context.store.engine.begin() as conn:
+                record_step(conn, context.run_id, step, policy_version=context.version(),
+                            metrics=metrics, loss=metrics.get("loss"), stage=self.stage.name,
+                            experience_ids=ids)
+        return commit
+
+    def replay(self, step: int) -> tuple[list, TrainBatch]:
+        with self.context.store.engine.connect() as conn:
+            ids = step_experiences(conn, self.context.run_id, step)
+        rows = self.context.store.fetch(ids)
+        return rows, self._batch(rows)
+
+
+class ExplorerFeed(Feed):
+    def draw(self, step: int) -> Draw | None:
+        waited = time.monotonic()
+        lease = self._lease()
+        if lease is None:
+            return None
+        rows = sorted(lease.rows, key=lambda row: row.id)
+        partial = lease.partial_groups()
+        store, name = self.context.store, self.context.config.run.name
+
+        def commit(step: int, metrics: dict) -> None:
+            retried = []
+
+            def once() -> None:  # a commit whose answer was lost may have gone through
+                if retried and store.step_committed(name, step):
+                    return
+                store.commit_step(lease, step=step, policy_version=self.context.version(),
+                                  loss=metrics["loss"], metrics=metrics, stage=self.stage.name)
+            self.context.patience(once, f"trainer step {step}",
+                                  before_retry=lambda: retried.append(1))
+        return Draw(rows, self._batch(rows), commit, lambda: store.release(lease),
+                    {"wait_s": time.monotonic() - waited, "partial_groups": len(partial),
+                     "partial_group_rows": sum(got for got, _ in partial.values())})
+
+    def _lease(self):
+        """Whole groups no staler than allowed; None if a stop came while waiting."""
+        context, started = self.context, time.monotonic()
+        config, store = context.config, context.store
+        floor = context.version() - config.staleness
+        lease = lambda: store.lease(  # noqa: E731
+            config.run.name, groups=self.stage.batch, min_policy_version=floor,
+            timeout_s=LEASE_POLL_S)
+        while not context.stop.is_set():
+            try:  # a lease lost with the connection is handed back before the next try
+                return context.patience(lease, "trainer lease", before_retry=lambda:
+                                        store.release_runs(config.run.name))
+            except FlowControlTimeout:
+                if time.monotonic() - started > config.trainer.wait_timeout_s:
+                    raise FlowControlTimeout(
+                        f"trainer.wait_timeout_s: no batch of {self.stage.batch} groups "
+                        f"(version >= {floor}) came in {config.trainer.wait_timeout_s:g}s; "
+                        "is an explorer running (`reservoir explore CONFIG`)?") from None
+        return None
+
+
+class TaskFeed(Feed):
+    def begin(self) -> None:
+        """The tasks it trains on; explorers claim them last."""
+        with self.context.store.engine.begin() as conn:
+            seen = sft_tasks(conn, self.context.config, self.context.run_id)
+            mark_explored(conn, [task_id for task_id, _, _ in seen])
+        self.pairs = [(prompt, answer) for _, prompt, answer in seen]
+
+    def _task_batch(self, step: int) -> TrainBatch:
+        return task_batch(self.context.tokenizer, self.pairs, self.stage.batch,
+                          seed=self.context.config.run.seed, step=step).to(self.context.device)
+
+    def draw(self, step: int) -> Draw:
+        return Draw([], self._task_batch(step), self._record([]))
+
+    def replay(self, step: int) -> tuple[list, TrainBatch]:
+        return [], self._task_batch(step)
+
+
+class StoredFeed(Feed):
+    def begin(self) -> None:
+        context, data = self.context, self.stage.data.stored
+        run_ids = context.store.aio.run_ids(list(data.runs)) if data.runs else [context.run_id]
+        self.groups = read_stored(context.store.url, run_ids, data, stage=self.stage.name,
+                                  seed=context.config.run.seed)
+
+    def draw(self, step: int) -> Draw:
+        ids = self.groups.step_ids(step - self.stage.first_step + 1, self.stage.batch)
+        rows = self.context.store.fetch(ids)
+        return Draw(rows, self._batch(rows), self._record(ids),
+                    metrics={"stored_groups": len(self.groups.groups)})
+
+
+class PairFeed(Feed):
+    def begin(self) -> None:
+        context, data = self.context, self.stage.data.preferences
+        self.run_ids = (context.store.aio.run_ids(list(data.runs)) if data.runs
+                        else [context.run_id])
+
+    def draw(self, step: int) -> Draw | None:
+        context, store = self.context, self.context.store
+        while not context.stop.is_set():
+            try:
+                lease = store.lease_pairs(self.run_ids, pairs=self.stage.batch,
+                                          timeout_s=LEASE_POLL_S)
+                break
+            except FlowControlTimeout:
+                continue
+        else:
+            return None
+        rows = self._pair_rows([(p.chosen_id, p.rejected_id) for p in lease.pairs])
+
+        def commit(step: int, metrics: dict) -> None:
+            store.commit_pairs(lease, run=context.config.run.name, step=step,
+                               policy_version=context.version(), loss=metrics["loss"],
+                               metrics=metrics, stage=self.stage.name)
+        return Draw(rows, self._batch(rows), commit, lambda: store.release_pairs(lease))
+
+    def _pair_rows(self, pairs: list[tuple[int, int]]) -> list:
+        """The chosen responses, then the rejected ones, pair by pair."""
+        by_id = {row.id: row for row in self.context.store.fetch(
+            [i for pair in pairs for i in pair])}
+        return [by_id[chosen] for chosen, _ in pairs] + [by_id[rejected] for _, rejected in pairs]
+
+    def replay(self, step: int) -> tuple[list, TrainBatch]:
+        with self.context.store.engine.connect() as conn:
+            pairs = step_pairs(conn, self.context.run_id, step)
+        rows = self._pair_rows(pairs)
+        return rows, self._batch(rows)
+
+
+FEEDS = {"explorers": ExplorerFeed, "tasks": TaskFeed, "stored": StoredFeed,
+         "preferences": PairFeed}
+
+
+def feed_for(context: Context, stage: Stage) -> Feed:
+    feed = FEEDS[stage.data.kind](context, stage)
+    feed.begin()
+    return feed

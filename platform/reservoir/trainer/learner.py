@@ -1,0 +1,122 @@
+"""What a trainer rank holds and how it steps: the policy, its optimizer, and the models the
+current stage's algorithm needs (a frozen reference, a critic).
+
+Entering a stage (`begin`) resets the optimizer at the stage's learning rate, builds a new
+critic when the algorithm is PPO's, and freezes a copy of the policy as the reference; the
+trainer then saves that state as the checkpoint of the step before the stage's first, so the
+reference of a stage is always that checkpoint's weights. `load` restores a checkpoint and the
+stage state that goes with it, the same way on every rank and on resume.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from reservoir.config import ReservoirConfig
+from reservoir.devices import resolve_device
+from reservoir.models import load_model
+from reservoir.trainer.batch import TrainBatch
+from reservoir.trainer.checkpoint import load_checkpoint, save_checkpoint, Resumed
+from reservoir.trainer.critic import Critic, build_critic
+from reservoir.trainer.pairs import preference_step
+from reservoir.trainer.stages import Stage, plan, stage_at
+from reservoir.trainer.step import ONE, Precision, Ranks, train_step
+
+
+class Learner:
+    def __init__(self, config: ReservoirConfig, rank: int = 0) -> None:
+        self.config = config
+        self.device = resolve_device(config.trainer.device, key="trainer.device", rank=rank)
+        self.model, self.tokenizer = load_model(config.model.path)
+        self.model.to(self.device)
+        if config.trainer.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()  # no dropout in the models we build; checkpointing needs it
+        self.plan = plan(config)
+        self.stage: Stage | None = None
+        self.optimizer = self._optimizer(config.trainer.lr)
+        self.reference = None
+        self.critic: Critic | None = None
+
+    def _optimizer(self, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    # -- stages and checkpoints -------------------------------------------------------------
+
+    def begin(self, stage: Stage) -> None:
+        """Enter `stage` from the current weights: fresh optimizer, critic and reference."""
+        self.stage = stage
+        self.optimizer = self._optimizer(stage.lr)
+        self.critic = self._new_critic(stage)
+        self.reference = self._frozen(self.model) if stage.algorithm.needs_reference else None
+
+    def save(self, root: Path, step: int, version: int) -> Path:
+        folder = save_checkpoint(root, step, version, self.model, self.optimizer)
+        if self.critic is not None:
+            self.critic.save(folder)
+        return folder
+
+    def load(self, checkpoint: Path) -> Resumed:
+        """Restore a checkpoint of step c and the state of the stage that trains step c + 1
+        (its reference from the checkpoint before the stage's first step, its critic)."""
+        resumed_step = _step_of(checkpoint)
+        stage = stage_at(self.plan, resumed_step + 1)
+        self.stage = stage
+        lr = stage.lr if stage is not None else self.config.trainer.lr
+        self.optimizer = self._optimizer(lr)
+        self.critic = self._new_critic(stage) if stage is not None else None
+        resumed = load_checkpoint(checkpoint, self.model, self.optimizer)
+        if self.critic is not None and (checkpoint / "critic.pt").is_file():
+            self.critic.load(checkpoint)
+        self.reference = None
+        if stage is not None and stage.algorithm.needs_reference:
+            start = checkpoint.with_name(f"step-{stage.first_step - 1:06d}")
+            self.reference = self._frozen(type(self.model).from_pretrained(
+                start, local_files_only=True).to(self.device))
+        return resumed
+
+    def _new_critic(self, stage: Stage | None) -> Critic | None:
+        if stage is None or not stage.algorithm.needs_critic:
+            return None
+        critic = self.config.trainer.critic
+        torch.manual_seed(self.config.run.seed)  # the same critic on every rank and resume
+        return build_critic(critic.path or self.config.model.path, self.device, lr=critic.lr,
+                            value_clip=stage.algorithm.value_clip)
+
+    @staticmethod
+    def _frozen(model):
+        reference = copy.deepcopy(model).eval()
+        for param in reference.parameters():
+            param.requires_grad_(False)
+        return reference
+
+    # -- a step ----------------------------------------------------------------------------
+
+    def train(self, step: int, batch: TrainBatch, ranks: Ranks = ONE) -> dict[str, float]:
+        """One optimizer step of the stage that trains `step` on `batch` (for preference
+        stages: the chosen rows, then the rejected rows in the same order)."""
+        stage = stage_at(self.plan, step)
+        if stage is not self.stage and stage != self.stage:
+            raise RuntimeError(f"step {step} is in stage {stage.name!r}, the learner is in "
+                               f"{getattr(self.stage, 'name', None)!r}")
+        trainer, algorithm = self.config.trainer, stage.algorithm
+        precision = Precision(dtype=trainer.dtype, chunk=trainer.logprob_chunk)
+        if algorithm.preference_loss is not None:
+            return preference_step(self.model, self.optimizer, batch, algorithm,
+                                   reference=self.reference, micro_batch=trainer.micro_batch,
+                                   precision=precision, ranks=ranks)
+        # the engine's temperature shaped the sampled logprobs; likelihoods of given answers
+        # (sft) are the model's own
+        sampled = algorithm.policy_loss != "sft"
+        return train_step(self.model, self.optimizer, batch, algorithm,
+                          micro_batch=trainer.micro_batch,
+                          temperature=self.config.explorer.temperature if sampled else 1.0,
+                          reference=self.reference, critic=self.critic, precision=precision,
+                          ranks=ranks)
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step-"))

@@ -1,0 +1,67 @@
+"""A run's stages: which algorithm trains which steps on which data (no torch here: explorers
+read the plan to pace themselves).
+
+Steps are numbered through the whole run (step 0 is the start); stage k covers
+`first_step .. last_step`. Without `stages:` in the config the plan is the classic one: an
+optional supervised warm-up (`trainer.warmup_steps` of sft on the train tasks' answers), then
+`trainer.steps` of `trainer.algorithm` on the explorers' rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reservoir.config import ReservoirConfig, StageData
+from reservoir.trainer.presets import PRESETS, Algorithm
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    name: str
+    algorithm: Algorithm
+    first_step: int
+    steps: int
+    lr: float
+    batch: int          # groups, pairs or tasks per step
+    data: StageData
+
+    @property
+    def last_step(self) -> int:
+        return self.first_step + self.steps - 1
+
+    @property
+    def explores(self) -> bool:
+        return self.data.kind == "explorers"
+
+
+def plan(config: ReservoirConfig) -> tuple[Stage, ...]:
+    trainer, tis = config.trainer, {"tis_cap": config.trainer.tis_cap}
+    stages, first = [], 1
+    if config.stages:
+        for index, stage in enumerate(config.stages):
+            stages.append(Stage(index, stage.name, stage.algorithm.resolve(**tis), first,
+                                stage.steps, stage.lr or trainer.lr,
+                                stage.batch or trainer.batch_groups, stage.data))
+            first += stage.steps
+        return tuple(stages)
+    if trainer.warmup_steps:
+        stages.append(Stage(0, "warm-up", PRESETS["sft"], 1, trainer.warmup_steps,
+                            trainer.warmup_lr, trainer.warmup_batch, StageData(tasks=True)))
+        first += trainer.warmup_steps
+    stages.append(Stage(len(stages), "rl", trainer.algorithm.resolve(**tis), first,
+                        trainer.steps, trainer.lr, trainer.batch_groups,
+                        StageData(explorers=True)))
+    return tuple(stages)
+
+
+def stage_at(stages: tuple[Stage, ...], step: int) -> Stage | None:
+    """The stage that trains `step` (None past the last, or for step 0)."""
+    for stage in stages:
+        if stage.first_step <= step <= stage.last_step:
+            return stage
+    return None
+
+
+def last_step(stages: tuple[Stage, ...]) -> int:
+    return stages[-1].last_step

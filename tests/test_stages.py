@@ -1,0 +1,114 @@
+"""Stages: sft on tasks -> grpo on the run's groups -> dpo on pairs, in one run; a stage that
+trains on another run's stored rows; resume inside a multi-stage run. The real `reservoir`
+command in subprocesses against test databases."""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import yaml
+
+from reservoir.config import parse_config
+from reservoir.models import build_tiny_model, load_model
+from reservoir.prepare import ensure_run
+from reservoir.store import Store
+from tests.test_recovery import (finish, offline_groups, query, start, trainer_config, wait_for,
+                                 write_config)
+
+STAGES = [
+    {"name": "warm", "algorithm": "sft", "steps": 4, "batch": 4, "lr": 3e-3, "data": "tasks"},
+    {"name": "rl", "algorithm": "rloo", "steps": 4},
+    {"name": "prefer", "algorithm": {"preset": "dpo", "beta": 0.2}, "steps": 3, "batch": 2,
+     "data": {"preferences": {}}},
+]
+
+
+def staged_config(tmp_path, side, db_url, model, stages=STAGES, name="offline"):
+    config = yaml.safe_load(trainer_config(tmp_path, side, db_url, model).read_text())
+    del config["trainer"]["steps"]
+    config["run"]["name"] = name
+    config["stages"] = stages
+    config["trainer"]["checkpoint_interval"] = 3
+    return write_config(tmp_path / f"{side}.yaml", config)
+
+
+def fill_with_pairs(db_url, config_path, groups=16):
+    """The run's groups (ready for the rl stage) and a pair per group (best over worst)."""
+    with Store(db_url) as store:
+        ensure_run(store, parse_config(yaml.safe_load(config_path.read_text())))
+        store.write_groups(offline_groups("offline", groups))
+    rows = query(db_url, "SELECT group_id, id, reward FROM experiences ORDER BY id")
+    by_group = {}
+    for group, row_id, reward in rows:
+        by_group.setdefault(group, []).append((reward, row_id))
+    with Store(db_url) as store:
+        store.add_pairs([(max(rows)[1], min(rows)[1], 1.0, "test")
+                         for rows in by_group.values()])
+
+
+def test_a_run_of_three_stages_records_each_step_s_stage_and_data(tmp_path, db_url):
+    model = build_tiny_model(tmp_path / "tiny", seed=4)
+    config_path = staged_config(tmp_path, "staged", db_url, model)
+    fill_with_pairs(db_url, config_path)
+    output = finish(start("train", str(config_path), cwd=tmp_path))
+    assert "stage 'prefer'" in output
+    steps = query(db_url, "SELECT step, stage, n_experiences FROM train_steps ORDER BY step")
+    assert steps == [(0, None, 0)] + [(s, "warm", 0) for s in range(1, 5)] + \
+        [(s, "rl", 8) for s in range(5, 9)] + [(s, "prefer", 4) for s in range(9, 12)]
+    assert query(db_url, "SELECT count(*), count(DISTINCT preference_id) FROM batch_pairs") == \
+        [(6, 6)]
+    assert query(db_url, "SELECT DISTINCT status FROM preferences WHERE id IN "
+                         "(SELECT preference_id FROM batch_pairs)") == [("consumed",)]
+    assert query(db_url, "SELECT min(version), max(version), min(train_step) "
+                         "FROM policy_versions") == [(0, 4, 4)]  # rl's versions only
+    metrics = query(db_url, "SELECT metrics FROM train_steps WHERE stage = 'prefer'")
+    assert all("dpo/accuracy" in m for (m,) in metrics)
+
+
+def test_a_stage_on_another_run_s_stored_rows_points_the_ledger_at_them(tmp_path, db_url):
+    model = build_tiny_model(tmp_path / "tiny", seed=5)
+    source = trainer_config(tmp_path, "source", db_url, model)
+    with Store(db_url) as store:
+        ensure_run(store, parse_config(yaml.safe_load(source.read_text())))
+        store.write_groups(offline_groups("offline", 6))
+    stages = [{"name": "best", "algorithm": "sft", "steps": 4, "batch": 2,
+               "data": {"stored": {"runs": ["offline"], "status": ["ready"],
+                                   "select": "best", "where": "reward > 0.5"}}}]
+    student = staged_config(tmp_path, "student", db_url, model, stages, name="student")
+    finish(start("train", str(student), cwd=tmp_path))
+    used = query(db_url, """
+        SELECT ts.step, e.id, r.name, e.reward, e.status FROM batch_items bi
+        JOIN train_steps ts ON ts.id = bi.train_step_id JOIN runs sr ON sr.id = ts.run_id
+        JOIN experiences e ON e.id = bi.experience_id JOIN runs r ON r.id = e.run_id
+        WHERE sr.name = 'student' ORDER BY ts.step, e.id""")
+    assert {step for step, *_ in used} == {1, 2, 3, 4}
+    assert all(run == "offline" and reward == 1.0 and status == "ready"
+               for _, _, run, reward, status in used)  # read, not consumed
+    per_step = [sum(1 for row in used if row[0] == step) for step in (1, 2, 3, 4)]
+    assert per_step == [2, 2, 2, 2]  # one best row per group, two groups per step
+    groups = query(db_url, "SELECT count(DISTINCT e.group_id) FROM batch_items bi "
+                           "JOIN experiences e ON e.id = bi.experience_id")
+    assert groups == [(6,)]  # 8 draws cycle through the 6 groups
+
+
+def test_resume_inside_a_multi_stage_run_reproduces_the_weights(tmp_path, new_database,
+                                                                 template_db):
+    model = build_tiny_model(tmp_path / "tiny", seed=6)
+    paths = {}
+    for side in ("straight", "killed"):
+        db_url = new_database(template_db)
+        paths[side] = (db_url, staged_config(tmp_path, side, db_url, model))
+        fill_with_pairs(db_url, paths[side][1])
+    finish(start("train", str(paths["straight"][1]), cwd=tmp_path))
+    db_url, config_path = paths["killed"]
+    victim = start("train", str(config_path), cwd=tmp_path)
+    wait_for(lambda: query(db_url, "SELECT 1 FROM train_steps WHERE step >= 7"), timeout=180)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    output = finish(start("train", str(config_path), "--resume", cwd=tmp_path))
+    assert "resumed run 'offline' from step-" in output
+    weights = [load_model(tmp_path / side / "offline" / "step-000011")[0].state_dict()
+               for side in ("straight", "killed")]
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
