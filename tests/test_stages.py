@@ -112,3 +112,37 @@ def test_resume_inside_a_multi_stage_run_reproduces_the_weights(tmp_path, new_da
                for side in ("straight", "killed")]
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_from_run_at_step_starts_from_that_step_with_its_tasks_and_experiences(tmp_path,
+                                                                               db_url):
+    model = build_tiny_model(tmp_path / "tiny", seed=7)
+    parent = staged_config(tmp_path, "runs", db_url, model)
+    fill_with_pairs(db_url, parent)
+    finish(start("train", str(parent), cwd=tmp_path))
+    stages = [{"name": "best", "algorithm": "sft", "steps": 2, "batch": 3,
+               "data": {"stored": {"status": ["consumed", "ready"], "select": "best"}}}]
+    child = staged_config(tmp_path, "runs", db_url, model, stages, name="branch")
+    output = finish(start("train", str(child), "--from", "offline@6", cwd=tmp_path))
+    assert "run 'branch': 2 steps" in output
+    weights = [load_model(tmp_path / "runs" / run / step)[0].state_dict()
+               for run, step in (("offline", "step-000006"), ("branch", "step-000000"))]
+    for name, tensor in weights[0].items():
+        assert torch.equal(weights[1][name], tensor), name
+    assert query(db_url, "SELECT parent_run, parent_step FROM analytics.runs "
+                         "WHERE run = 'branch'") == [("offline", 6)]
+    assert query(db_url, "SELECT count(*) FROM tasks GROUP BY run_id ORDER BY run_id") == \
+        [(20,), (20,)]
+    read = query(db_url, """
+        SELECT DISTINCT r.name, e.created_at <= (SELECT created_at FROM train_steps
+                                                 WHERE run_id = e.run_id AND step = 6)
+        FROM batch_items bi JOIN train_steps ts ON ts.id = bi.train_step_id
+        JOIN runs b ON b.id = ts.run_id AND b.name = 'branch'
+        JOIN experiences e ON e.id = bi.experience_id JOIN runs r ON r.id = e.run_id""")
+    assert read == [("offline", True)]  # the parent's rows as they were at step 6
+    refused = start("train", str(staged_config(tmp_path, "runs", db_url, model, stages,
+                                               name="branch2")),
+                    "--from", "offline@5", cwd=tmp_path)
+    output, _ = refused.communicate(timeout=120)
+    assert refused.returncode != 0 and "no checkpoint of step 5" in output
+    assert "checkpoints there: 0, 3, 4, 6, 8, 9, 11" in output

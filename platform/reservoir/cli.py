@@ -136,15 +136,27 @@ def _end_run(summary) -> None:
 
 
 ResumeOption = typer.Option(False, help="Continue from the last checkpoint.")
+FromOption = typer.Option(None, "--from", help="RUN@STEP: a new run that starts from that "
+                          "run's weights at that step, with its tasks and experiences.")
+
+
+def _branched(config, source: Optional[str]):
+    """The config with run.branch_from set from --from (checked as the config's own key)."""
+    if source is None:
+        return config
+    from reservoir.config import parse_config
+    raw = config.model_dump(mode="json")
+    raw["run"]["branch_from"] = source
+    return parse_config(raw, source="--from")
 
 
 @app.command("run")
 def run_command(config: Path = typer.Argument(..., help="Run config YAML."),
-                resume: bool = ResumeOption) -> None:
+                resume: bool = ResumeOption, source: Optional[str] = FromOption) -> None:
     """Run RFT: a trainer and explorer workers (Ray) meeting in the store, shown live."""
     from reservoir import pool
 
-    _end_run(pool.run(_config(config), resume=resume, console=console))
+    _end_run(pool.run(_branched(_config(config), source), resume=resume, console=console))
 
 
 @app.command("explore")
@@ -164,11 +176,11 @@ def explore_command(config: Path = typer.Argument(..., help="Run config YAML."),
 
 @app.command("train")
 def train_command(config: Path = typer.Argument(..., help="Run config YAML."),
-                  resume: bool = ResumeOption) -> None:
+                  resume: bool = ResumeOption, source: Optional[str] = FromOption) -> None:
     """The trainer only: lease, train, commit, publish; explorers run elsewhere."""
     from reservoir import pool
 
-    _end_run(pool.train(_config(config), resume=resume, console=console))
+    _end_run(pool.train(_branched(_config(config), source), resume=resume, console=console))
 
 
 @app.command("report")

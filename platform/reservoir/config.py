@@ -48,6 +48,15 @@ def _database_url(value: str | None) -> str | None:
     return value
 
 
+def _branch(value: str | None) -> str | None:
+    if value is not None:
+        name, _, step = value.rpartition("@")
+        if not (name and step.isdigit() and len(step) <= 9):
+            raise ValueError("RUN@STEP, e.g. reverse-1@200")
+        _run_name(name)
+    return value
+
+
 def _device(value: str) -> str:
     if not _DEVICE.fullmatch(value):
         raise ValueError("a device is auto, cpu, cuda or cuda:N (auto: cuda when available)")
@@ -362,6 +371,9 @@ class RunSection(Section):
         default="sync", description="sync: on-policy; async: explorers run ahead by at most "
         "sampler.max_staleness policy versions")
     seed: Count = count(0, 0, 2**32 - 1)
+    branch_from: Annotated[str | None, AfterValidator(_branch)] = Field(
+        default=None, description="RUN@STEP (`--from`): start from that run's weights at that "
+        "step, with its tasks and, for stored-data stages, its experiences up to that step")
     ray_address: str | None = Field(
         default=None, description="Ray cluster to run the worker pools on; unset: local Ray")
 
@@ -408,6 +420,14 @@ class ReservoirConfig(Section):
             raise ValueError("run.mode is async but sampler.max_staleness is unset: set how "
                              "many policy versions explorers may run ahead (e.g. 1)")
         return self
+
+    @property
+    def branch(self) -> tuple[str, int] | None:
+        """(run, step) this run branches from, if it does."""
+        if self.run.branch_from is None:
+            return None
+        name, _, step = self.run.branch_from.rpartition("@")
+        return name, int(step)
 
     def torch_threads(self, role: Literal["explorer", "trainer"]) -> int:
         """The configured threads, else the cores shared by the workers that compute at once:

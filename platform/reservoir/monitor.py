@@ -54,7 +54,7 @@ class Monitor:
         metrics = snap["metrics"] or {}
         progress = snap["progress"] or {}
         if progress:
-            table.add_row(progress.get("phase", "phase"),
+            table.add_row(f"stage {progress.get('stage', '')}",
                           f"{progress.get('step')} / {progress.get('of')}, loss "
                           f"{_fmt(progress.get('loss'))}")
         for name, value in (
@@ -69,6 +69,8 @@ class Monitor:
             ("rollouts/s", _fmt(snap["rollouts_per_s"], 1)),
             ("train tokens/s", _fmt(metrics.get("train_tokens_per_s"), 0)),
             ("partial groups in the last batch", _fmt(metrics.get("partial_groups"))),
+            ("zero-variance groups (no signal)",
+             _fmt(metrics.get("advantage/zero_variance_groups"))),
         ):
             table.add_row(name, value)
         return table

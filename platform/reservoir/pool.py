@@ -24,9 +24,10 @@ from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.monitor import Monitor, live
 from reservoir.pipeline.stream import PipelineWorker, stream_spec
-from reservoir.prepare import absolute, check_model, ensure_run
+from reservoir.prepare import absolute, branch_checkpoint, check_model, ensure_run
 from reservoir.store import Store
 from reservoir.trainer.worker import RunSummary, TrainerWorker
+from reservoir.trainer.stages import total_steps
 
 EXPLORER_RESTARTS = 3  # Ray restarts a dead explorer actor this often, and retries its run
 
@@ -53,7 +54,7 @@ def run(config: ReservoirConfig, *, resume: bool = False,
             workers = [trainer, *explorers, *streams]
             done, explored = trainer.run.remote(), [w.run.remote() for w in explorers]
             streamed = [w.run.remote() for w in streams]
-            _supervise(Monitor(store.engine, config.run.name, config.trainer.steps), console,
+            _supervise(Monitor(store.engine, config.run.name, total_steps(config)), console,
                        finished=lambda wait: bool(ray.wait([done], timeout=wait)[0]),
                        stop=lambda: [w.request_stop.remote() for w in workers])
             summary = _unwrap(lambda: ray.get(done))
@@ -87,7 +88,7 @@ def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config)
-        monitor = Monitor(store.engine, config.run.name, config.trainer.steps)
+        monitor = Monitor(store.engine, config.run.name, total_steps(config))
         if config.explorer.workers == 1:
             return [_in_thread(ExplorerWorker(config), monitor, console)]
         import ray
@@ -112,7 +113,7 @@ def train(config: ReservoirConfig, *, resume: bool = False,
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config, resume=resume)
-        monitor = Monitor(store.engine, config.run.name, config.trainer.steps)
+        monitor = Monitor(store.engine, config.run.name, total_steps(config))
         trainer = TrainerWorker(config, resume=resume, console=console,
                                 evaluate=partial(held_out_accuracy, config))
         return _in_thread(trainer, monitor, console)
@@ -123,6 +124,8 @@ def _prepared(config: ReservoirConfig) -> ReservoirConfig:
     model folder, the task file, each stream pipeline."""
     config = absolute(config)
     check_model(config)
+    if config.branch is not None:
+        branch_checkpoint(config)
     if config.tasks.file is not None and not Path(config.tasks.file).is_file():
         raise ConfigError(f"tasks.file: {config.tasks.file} is not a file")
     for index, path in enumerate(config.pipelines):

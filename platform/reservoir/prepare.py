@@ -12,8 +12,10 @@ from reservoir.errors import ConfigError
 from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.store import Store
 from reservoir.store.runs import check_resumable as resumable
-from reservoir.store.runs import insert_run, run_id_of, set_status
-from reservoir.store.tasks import add_tasks
+from reservoir.store.ledger import has_step
+from reservoir.store.runs import insert_run, run_id_of, set_parent, set_status
+from reservoir.store.tasks import add_tasks, copy_tasks
+from reservoir.trainer.stages import total_steps
 
 
 def absolute(config: ReservoirConfig) -> ReservoirConfig:
@@ -63,13 +65,40 @@ def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -
                             model=str(config.model.path), config=config.model_dump(mode="json"))
         if run_id is None:  # it exists (another process may have created it a moment ago)
             return run_id_of(conn, config.run.name)
-        rows = task_rows(config)
-        add_tasks(conn, run_id, rows)
+        if config.branch is not None:
+            _branch(conn, config, run_id)
+        else:
+            add_tasks(conn, run_id, task_rows(config))
         return run_id
+
+
+def _branch(conn, config: ReservoirConfig, run_id: int) -> None:
+    """A branched run's lineage and its parent's tasks (how often each was explored too)."""
+    name, step = config.branch
+    parent = run_id_of(conn, name)
+    if parent is None:
+        raise ConfigError(f"--from {name}@{step}: there is no run {name!r}")
+    if not has_step(conn, parent, step):
+        raise ConfigError(f"--from {name}@{step}: run {name!r} has not committed step {step}")
+    set_parent(conn, run_id, parent, step)
+    copy_tasks(conn, parent, run_id)
+
+
+def branch_checkpoint(config: ReservoirConfig) -> Path:
+    """The checkpoint a branched run starts from: trainer.checkpoint_dir/RUN/step-STEP."""
+    name, step = config.branch
+    runs = Path(config.trainer.checkpoint_dir) / name
+    folder = runs / f"step-{step:06d}"
+    if not (folder / "state.json").is_file():
+        kept = sorted(int(p.name.removeprefix("step-")) for p in runs.glob("step-*")
+                      if (p / "state.json").is_file())
+        raise ConfigError(f"--from {name}@{step}: no checkpoint of step {step} in {runs} "
+                          f"(checkpoints there: {', '.join(map(str, kept)) or 'none'})")
+    return folder
 
 
 def check_resumable(store: Store, config: ReservoirConfig) -> None:
     """--resume continues a run that exists and has steps left, from its last checkpoint or,
     for a trainer killed before its first one, from the start (then it replays the ledger)."""
     with store.engine.connect() as conn:
-        resumable(conn, config.run.name, config.trainer.steps)
+        resumable(conn, config.run.name, total_steps(config))

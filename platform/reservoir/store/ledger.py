@@ -130,6 +130,12 @@ def step_pairs(conn: Connection, run_id: int, step: int) -> list[tuple[int, int]
     return [tuple(row) for row in conn.execute(stmt)]
 
 
+def step_time(conn: Connection, run_id: int, step: int):
+    """When the run's step was committed (None if it was not)."""
+    return conn.execute(select(train_steps.c.created_at).where(
+        train_steps.c.run_id == run_id, train_steps.c.step == step)).scalar()
+
+
 def has_step(conn: Connection, run_id: int, step: int) -> bool:
     return conn.execute(select(train_steps.c.id).where(train_steps.c.run_id == run_id,
                                                        train_steps.c.step == step)).first() is not None

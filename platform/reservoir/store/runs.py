@@ -23,6 +23,20 @@ def insert_run(conn: Connection, name: str, *, group_size: int | None = None,
     return conn.execute(stmt).scalar()
 
 
+def set_parent(conn: Connection, run_id: int, parent_id: int, step: int) -> None:
+    """Record that a run was branched from `parent_id` at `step`."""
+    conn.execute(update(runs).where(runs.c.id == run_id)
+                 .values(parent_run_id=parent_id, parent_step=step))
+
+
+def parent_of(conn: Connection, run_id: int) -> tuple[int, int] | None:
+    """(parent run id, step) of a branched run; None for a run that was not branched."""
+    row = conn.execute(select(runs.c.parent_run_id, runs.c.parent_step)
+                       .where(runs.c.id == run_id)).first()
+    return None if row is None or row.parent_run_id is None else (row.parent_run_id,
+                                                                  row.parent_step)
+
+
 def create_run(conn: Connection, name: str, *, group_size: int | None = None,
                model: str | None = None, config: dict[str, Any] | None = None,
                exist_ok: bool = False) -> int:

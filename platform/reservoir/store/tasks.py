@@ -11,7 +11,7 @@ import uuid
 from datetime import timedelta
 from typing import Any, Iterable
 
-from sqlalchemy import Connection, func, insert, or_, select, update
+from sqlalchemy import Connection, func, insert, literal, or_, select, update
 
 from reservoir.store.schema import tasks
 
@@ -25,6 +25,19 @@ def add_tasks(conn: Connection, run_id: int, rows: Iterable[dict[str, Any]]) -> 
         return []
     return list(conn.execute(insert(tasks).returning(tasks.c.id, sort_by_parameter_order=True),
                              values).scalars())
+
+
+COPIED = ("prompt", "answer", "payload", "source", "split", "difficulty", "priority",
+          "times_explored")
+
+
+def copy_tasks(conn: Connection, source_run_id: int, run_id: int) -> int:
+    """Give `run_id` a copy of another run's tasks (a branch), with how often each was
+    explored; returns how many."""
+    columns = [tasks.c[name] for name in COPIED]
+    chosen = (select(literal(run_id), *columns).where(tasks.c.run_id == source_run_id)
+              .order_by(tasks.c.id))
+    return conn.execute(insert(tasks).from_select(["run_id", *COPIED], chosen)).rowcount
 
 
 def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, worker: str,

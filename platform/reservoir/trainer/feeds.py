@@ -23,7 +23,8 @@ from typing import Callable
 from reservoir.config import ReservoirConfig
 from reservoir.errors import FlowControlTimeout
 from reservoir.store import Store
-from reservoir.store.ledger import record_step, step_experiences, step_pairs
+from reservoir.store.ledger import record_step, step_experiences, step_pairs, step_time
+from reservoir.store.runs import parent_of
 from reservoir.store.retry import Patience
 from reservoir.store.tasks import mark_explored, split_tasks
 from reservoir.trainer.batch import TrainBatch, make_batch
@@ -155,10 +156,20 @@ class TaskFeed(Feed):
 
 class StoredFeed(Feed):
     def begin(self) -> None:
+        """Read the stage's groups: of the named runs, or of this run and, for a branch, of
+        its parent as it was at the branch step (its rows are read where they are)."""
         context, data = self.context, self.stage.data.stored
-        run_ids = context.store.aio.run_ids(list(data.runs)) if data.runs else [context.run_id]
+        run_ids, until = [context.run_id], {}
+        if data.runs:
+            run_ids = context.store.aio.run_ids(list(data.runs))
+        else:
+            with context.store.engine.connect() as conn:
+                parent = parent_of(conn, context.run_id)
+                if parent is not None:
+                    run_ids.append(parent[0])
+                    until[parent[0]] = step_time(conn, *parent)
         self.groups = read_stored(context.store.url, run_ids, data, stage=self.stage.name,
-                                  seed=context.config.run.seed)
+                                  seed=context.config.run.seed, until=until)
 
     def draw(self, step: int) -> Draw:
         ids = self.groups.step_ids(step - self.stage.first_step + 1, self.stage.batch)

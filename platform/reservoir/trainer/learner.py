@@ -53,6 +53,12 @@ class Learner:
         self.critic = self._new_critic(stage)
         self.reference = self._frozen(self.model) if stage.algorithm.needs_reference else None
 
+    def start_from(self, checkpoint: Path) -> None:
+        """Take another run's weights at a checkpoint (a branch); its optimizer is not
+        taken: every stage begins with a fresh one."""
+        weights = type(self.model).from_pretrained(checkpoint, local_files_only=True)
+        self.model.load_state_dict(weights.state_dict())
+
     def save(self, root: Path, step: int, version: int) -> Path:
         folder = save_checkpoint(root, step, version, self.model, self.optimizer)
         if self.critic is not None:

@@ -65,3 +65,8 @@ def stage_at(stages: tuple[Stage, ...], step: int) -> Stage | None:
 
 def last_step(stages: tuple[Stage, ...]) -> int:
     return stages[-1].last_step
+
+
+def total_steps(config: ReservoirConfig) -> int:
+    """The run's last step, over all its stages."""
+    return last_step(plan(config))

@@ -29,13 +29,17 @@ class StoredGroups:
         return sorted({row for group in picked for row in group})
 
 
-def read_stored(url: str, run_ids: list[int], data: StoredData, *, stage: str,
-                seed: int) -> StoredGroups:
+def read_stored(url: str, run_ids: list[int], data: StoredData, *, stage: str, seed: int,
+                until: dict | None = None) -> StoredGroups:
+    """The stage's groups; `until` maps a run id to the time after which its rows are not
+    read (a branched run reads its parent's rows as they were at the branch step)."""
     rows = select_rows(url, Source(run_ids=run_ids, statuses=data.status, where=data.where,
                                    order_by=("group_id", "id")),
                        who=f"stage {stage!r}", allowed=TRAINABLE_STATUSES)
     groups: dict = {}
     for row in rows:
+        if until and row["run_id"] in until and row["created_at"] > until[row["run_id"]]:
+            continue
         groups.setdefault(row["group_id"], []).append(row)
     if not groups:
         raise ConfigError(f"stages.{stage}.data.stored: no experiences match (runs, status, "

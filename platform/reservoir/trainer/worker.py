@@ -32,7 +32,7 @@ from rich.console import Console
 from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError
 from reservoir.models import save_weights
-from reservoir.prepare import check_model, check_resumable
+from reservoir.prepare import branch_checkpoint, check_model, check_resumable
 from reservoir.store import Store
 from reservoir.store.ledger import add_step_metrics, last_step, record_step
 from reservoir.store.retry import Patience
@@ -46,6 +46,7 @@ from reservoir.trainer.seed import seed_everything
 from reservoir.trainer.stages import Stage
 
 PROGRESS_EVERY_S = 1.0  # runs.progress is written at most this often
+NO_SIGNAL_WARN = 0.5    # warn when more groups than this carried no reward variance
 # held-out accuracy of (model, tokenizer) on (id, prompt, answer) tasks; the coordinator
 # supplies it (the trainer does not import the explorer, which owns engines and rewards)
 Evaluate = Callable[[object, object, list], float]
@@ -70,6 +71,7 @@ class TrainerWorker:
                                  self.console.print(line, markup=False, highlight=False))
         self._stop = threading.Event()
         self._progress_at = 0.0
+        self._no_signal: list[float] = []  # zero-variance shares since the last warning check
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -140,6 +142,8 @@ class TrainerWorker:
     def _start(self) -> tuple[int, int]:
         """Measure the start policy and record step 0 (kept if an earlier attempt recorded
         it); (first step to train, last committed step)."""
+        if self.config.branch is not None:  # the parent's weights at the branch step
+            self.learner.start_from(branch_checkpoint(self.config))
         self.summary.accuracy.append(("start", self._evaluate()))
         accuracy = self.summary.accuracy[-1][1]
         with self.store.engine.begin() as conn:
@@ -241,8 +245,26 @@ class TrainerWorker:
             self._record_accuracy(step)
         if step % trainer.checkpoint_interval == 0:
             self._checkpoint()
+        self._warn_without_signal(stage, step, metrics)
         self._progress({"stage": stage.name, "step": in_stage, "of": stage.steps,
                         "loss": round(metrics["loss"], 4)}, final=in_stage == stage.steps)
+
+    def _warn_without_signal(self, stage: Stage, step: int, metrics: dict) -> None:
+        """Say so when most groups of the last eval_interval steps had one reward for all
+        their responses (their advantages, so their loss, are 0: nothing to learn from)."""
+        share = metrics.get("advantage/zero_variance_groups")
+        if share is None or not stage.explores:
+            return
+        self._no_signal.append(share)
+        window = self.config.trainer.eval_interval
+        if len(self._no_signal) >= window:
+            mean = sum(self._no_signal[-window:]) / window
+            if mean > NO_SIGNAL_WARN:
+                self.console.print(f"warning: steps {step - window + 1}..{step}: {mean:.0%} of "
+                                   "groups had identical rewards and taught nothing; raise "
+                                   "explorer.n or temperature, make tasks harder or easier, or "
+                                   "drop them (the drop_zero_variance pipeline)")
+            self._no_signal.clear()
 
     def _learn(self, step: int, stage: Stage, rows, batch) -> dict[str, float]:
         """One optimizer step on every rank of the pool; metrics include staleness (of
@@ -263,11 +285,17 @@ class TrainerWorker:
 
     def _publish(self, step: int, first: bool = False) -> None:
         """Publish the weights as the next version (version 0 is the model folder's weights
-        when nothing trained them yet)."""
+        when nothing trained them yet). A stage's first publication is skipped when a version
+        was published after that very step (the previous stage's last, or, on resume, the
+        one this stage published before)."""
+        if first:
+            with self.store.engine.connect() as conn:
+                published = version_by(conn, self.run_id, step)
+            if published is not None and published[1] == step:
+                self.summary.version = self.version = published[0]
+                return
         version = 0 if self.version is None else self.summary.version + 1
-        if first and self.version is not None and self._published_at(step):
-            return  # the last version is these weights already
-        untouched = version == 0 and step == 0
+        untouched = version == 0 and step == 0 and self.config.branch is None
         location = (str(self.config.model.path) if untouched
                     else str(save_weights(self.learner.model, self._weights_path(version))))
         self.patience(lambda: self.store.publish_version(self.config.run.name, version,
@@ -275,11 +303,6 @@ class TrainerWorker:
                       f"publishing version {version}")
         self.summary.version = self.version = version
         self._prune_weights(keep=self.config.staleness + 3)
-
-    def _published_at(self, step: int) -> bool:
-        with self.store.engine.connect() as conn:
-            latest = version_by(conn, self.run_id)
-        return latest is not None and latest == (self.version, step)
 
     def _weights_path(self, version: int) -> Path:
         return self.checkpoints / "policy" / f"v{version:06d}.safetensors"
