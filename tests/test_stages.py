@@ -146,3 +146,33 @@ def test_from_run_at_step_starts_from_that_step_with_its_tasks_and_experiences(t
     output, _ = refused.communicate(timeout=120)
     assert refused.returncode != 0 and "no checkpoint of step 5" in output
     assert "checkpoints there: 0, 3, 4, 6, 8, 9, 11" in output
+
+
+def test_dynamic_sampling_trains_only_groups_with_signal_and_records_the_rest(tmp_path,
+                                                                             db_url):
+    model = build_tiny_model(tmp_path / "tiny", seed=8)
+    config = yaml.safe_load(trainer_config(tmp_path, "dapo", db_url, model).read_text())
+    config["trainer"]["steps"] = 3
+    config["sampler"]["dynamic_sampling"] = True
+    config_path = write_config(tmp_path / "dapo.yaml", config)
+    groups = offline_groups("offline", 12)
+    for group in groups[::2]:  # every other group: one reward for all its responses
+        for experience in group:
+            experience.reward = 1.0
+    with Store(db_url) as store:
+        ensure_run(store, parse_config(config))
+        store.write_groups(groups)
+    finish(start("train", str(config_path), cwd=tmp_path))
+    trained = query(db_url, """
+        SELECT e.group_id, count(DISTINCT e.reward) FROM batch_items bi
+        JOIN experiences e ON e.id = bi.experience_id GROUP BY e.group_id""")
+    assert len(trained) == 6 and all(rewards == 2 for _, rewards in trained)
+    aside = query(db_url, "SELECT status, metadata ->> 'set_aside', count(*) FROM experiences "
+                          "WHERE metadata ? 'set_aside' GROUP BY 1, 2")
+    assert aside and all(status == "retired" and reason == "zero reward variance"
+                         for status, reason, _ in aside)
+    skipped = query(db_url, "SELECT sum((metrics ->> 'dynamic/set_aside_groups')::int), "
+                            "max((metrics ->> 'advantage/zero_variance_groups')::float8) "
+                            "FROM train_steps WHERE step > 0")
+    assert skipped == [(sum(n for *_, n in aside) // 4, 0.0)]
+    assert query(db_url, "SELECT rows_sampled FROM runs") == [(24,)]  # set-aside rows uncounted

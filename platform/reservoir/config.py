@@ -132,6 +132,10 @@ class SamplerConfig(Section):
     min_ready: Count = count(1, 1, 1_000_000_000)
     wait_timeout_s: Number = number(60.0, ge=0, le=30 * DAY)
     poll_interval_s: Number = number(0.05, gt=0, le=60)
+    dynamic_sampling: bool = Field(
+        default=False, description="DAPO's dynamic sampling: a leased group whose rewards are "
+        "all equal is set aside (status retired, metadata.set_aside) and replaced by another "
+        "until the batch is full; explorers keep producing")
 
     @model_validator(mode="after")
     def _consumed_needs_reuse(self) -> SamplerConfig:

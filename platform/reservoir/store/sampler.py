@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 from sqlalchemy import (BigInteger, Integer, Interval, Text, and_, bindparam, case, exists, func, literal,
-                        literal_column, select, true, update)
-from sqlalchemy.dialects.postgresql import UUID
+                        literal_column, select, text, true, update)
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from reservoir.config import SamplerConfig
@@ -354,3 +354,46 @@ async def retire(engine: AsyncEngine, run_ids: Sequence[int], flow: SamplerConfi
         .values(status="retired").returning(e.c.id))
     async with engine.begin() as conn:
         return len((await conn.execute(stmt)).all())
+
+
+SET_ASIDE = text("""
+WITH aside AS (
+    UPDATE experiences
+    SET status = 'retired', lease_token = NULL, leased_until = NULL,
+        metadata = metadata || jsonb_build_object('set_aside', CAST(:reason AS text))
+    WHERE lease_token = :token AND group_id = ANY(:groups)
+    RETURNING run_id
+), per_run AS (
+    SELECT run_id, count(*) AS n FROM aside GROUP BY run_id
+), counted AS (
+    UPDATE runs SET rows_sampled = rows_sampled - per_run.n FROM per_run
+    WHERE runs.id = per_run.run_id RETURNING runs.id
+)
+SELECT (SELECT count(*) FROM aside), (SELECT count(*) FROM counted)
+""").bindparams(bindparam("token", type_=UUID(as_uuid=True)),
+                bindparam("groups", type_=ARRAY(UUID(as_uuid=True))))
+JOIN = text("""
+UPDATE experiences SET lease_token = :into, leased_until = LEAST(leased_until, :until)
+WHERE lease_token = :other
+""").bindparams(bindparam("into", type_=UUID(as_uuid=True)),
+                bindparam("other", type_=UUID(as_uuid=True)))
+
+
+async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUID], *,
+                    reason: str) -> Lease:
+    """Retire leased groups that will not be trained (e.g. dynamic sampling: their rewards
+    are all equal), recording why in each row's metadata; the lease keeps the other rows."""
+    async with engine.begin() as conn:
+        await conn.execute(SET_ASIDE, {"token": lease.token, "groups": list(groups),
+                                       "reason": reason})
+    kept = tuple(row for row in lease.rows if row.group_id not in set(groups))
+    return Lease(lease.token, lease.run_ids, kept, lease.leased_until)
+
+
+async def join(engine: AsyncEngine, lease: Lease, other: Lease) -> Lease:
+    """One lease holding both leases' rows (under the first's token, the earlier expiry)."""
+    until = min(lease.leased_until, other.leased_until)
+    async with engine.begin() as conn:
+        await conn.execute(JOIN, {"into": lease.token, "other": other.token, "until": until})
+    return Lease(lease.token, tuple(sorted(set(lease.run_ids) | set(other.run_ids))),
+                 lease.rows + other.rows, until)

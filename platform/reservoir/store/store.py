@@ -78,6 +78,12 @@ class AsyncStore:
     async def release(self, lease: Lease) -> int:
         return await sampler.release(self.engine, lease)
 
+    async def set_aside(self, lease: Lease, groups, *, reason: str) -> Lease:
+        return await sampler.set_aside(self.engine, lease, groups, reason=reason)
+
+    async def join(self, lease: Lease, other: Lease) -> Lease:
+        return await sampler.join(self.engine, lease, other)
+
     async def release_runs(self, run: str | Sequence[str]) -> int:
         return await sampler.release_runs(self.engine, self.run_ids(run))
 
@@ -189,6 +195,8 @@ class Store:
     lease = _blocking(AsyncStore.lease)
     commit_step = _blocking(AsyncStore.commit_step)
     release = _blocking(AsyncStore.release)
+    set_aside = _blocking(AsyncStore.set_aside)
+    join = _blocking(AsyncStore.join)
     release_runs = _blocking(AsyncStore.release_runs)
     fetch = _blocking(AsyncStore.fetch)
     renew = _blocking(AsyncStore.renew)

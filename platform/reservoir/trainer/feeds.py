@@ -93,7 +93,10 @@ class Feed:
 class ExplorerFeed(Feed):
     def draw(self, step: int) -> Draw | None:
         waited = time.monotonic()
-        lease = self._lease()
+        lease = self._lease(self.stage.batch)
+        set_aside = 0
+        if lease is not None and self.context.config.sampler.dynamic_sampling:
+            lease, set_aside = self._with_signal(lease)
         if lease is None:
             return None
         rows = sorted(lease.rows, key=lambda row: row.id)
@@ -112,15 +115,33 @@ class ExplorerFeed(Feed):
                                   before_retry=lambda: retried.append(1))
         return Draw(rows, self._batch(rows), commit, lambda: store.release(lease),
                     {"wait_s": time.monotonic() - waited, "partial_groups": len(partial),
-                     "partial_group_rows": sum(got for got, _ in partial.values())})
+                     "partial_group_rows": sum(got for got, _ in partial.values()),
+                     **({"dynamic/set_aside_groups": set_aside}
+                        if self.context.config.sampler.dynamic_sampling else {})})
 
-    def _lease(self):
+    def _with_signal(self, lease):
+        """Dynamic sampling: set aside the groups whose rewards are all equal and lease others
+        in their place until every group carries signal; (lease or None if stopped, groups
+        set aside)."""
+        store, set_aside = self.context.store, 0
+        while flat := [group for group, rows in lease.groups().items() if len(rows) > 1
+                       and len({row.train_reward for row in rows}) == 1]:
+            lease = store.set_aside(lease, flat, reason="zero reward variance")
+            set_aside += len(flat)
+            more = self._lease(len(flat))
+            if more is None:
+                store.release(lease)
+                return None, set_aside
+            lease = store.join(lease, more)
+        return lease, set_aside
+
+    def _lease(self, groups: int):
         """Whole groups no staler than allowed; None if a stop came while waiting."""
         context, started = self.context, time.monotonic()
         config, store = context.config, context.store
         floor = context.version() - config.staleness
         lease = lambda: store.lease(  # noqa: E731
-            config.run.name, groups=self.stage.batch, min_policy_version=floor,
+            config.run.name, groups=groups, min_policy_version=floor,
             timeout_s=LEASE_POLL_S)
         while not context.stop.is_set():
             try:  # a lease lost with the connection is handed back before the next try
@@ -129,7 +150,7 @@ class ExplorerFeed(Feed):
             except FlowControlTimeout:
                 if time.monotonic() - started > config.trainer.wait_timeout_s:
                     raise FlowControlTimeout(
-                        f"trainer.wait_timeout_s: no batch of {self.stage.batch} groups "
+                        f"trainer.wait_timeout_s: no batch of {groups} groups "
                         f"(version >= {floor}) came in {config.trainer.wait_timeout_s:g}s; "
                         "is an explorer running (`reservoir explore CONFIG`)?") from None
         return None
