@@ -36,7 +36,7 @@ from reservoir.config import parse_config  # noqa: E402
 from reservoir.explorer.tasks import GENERATORS  # noqa: E402
 from reservoir.models import build_tiny_model, load_model  # noqa: E402
 from reservoir.store import Store  # noqa: E402
-from reservoir.trainer.sft import warm_up  # noqa: E402
+from reservoir.trainer.sft import supervised  # noqa: E402
 
 WINDOW = 10  # steps in the trailing reward mean compared with the target
 
@@ -65,8 +65,8 @@ def start_model(scratch: Path, tasks: list[dict], args) -> Path:
     model_dir = build_tiny_model(scratch / "tiny", seed=0)
     model, tokenizer = load_model(model_dir)
     seen = tasks[:int(len(tasks) * 0.3)]
-    warm_up(model, tokenizer, [(t["prompt"], t["answer"]) for t in seen],
-            steps=args.warmup_steps, batch_size=32, lr=1e-3, seed=0)
+    supervised(model, tokenizer, [(t["prompt"], t["answer"]) for t in seen],
+               steps=args.warmup_steps, batch_size=32, lr=1e-3, seed=0)
     model.save_pretrained(scratch / "start")
     tokenizer.save_pretrained(scratch / "start")
     return scratch / "start"

@@ -42,3 +42,20 @@ def task_batch(tokenizer, pairs: Sequence[tuple[str, str]], size: int, *, seed: 
     trainer, draws the same batch for the same step."""
     rng = random.Random(f"{seed}:{step}")
     return sft_batch(tokenizer, rng.sample(list(pairs), min(size, len(pairs))))
+
+
+def supervised(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int,
+               batch_size: int, lr: float, seed: int = 0) -> list[float]:
+    """`steps` AdamW steps of answer-token cross-entropy outside any run (benchmarks make start
+    models with it; a run's sft stage draws the same batches through `task_batch`); returns
+    each step's loss."""
+    from reservoir.trainer.presets import PRESETS
+    from reservoir.trainer.step import train_step
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    device = next(model.parameters()).device
+    model.train()
+    return [train_step(model, optimizer, task_batch(tokenizer, pairs, batch_size, seed=seed,
+                                                    step=step).to(device),
+                       PRESETS["sft"], micro_batch=batch_size)["loss"]
+            for step in range(1, steps + 1)]
