@@ -2,7 +2,7 @@
 
 What is compared (trained response tokens/s, and the ratio; median of repeats):
 
-(a) step: `train_rows` (the trainer's own step: make_batch from leased rows, chunked token
+(a) step: `Learner.train` (the trainer's own step: make_batch from leased rows, chunked token
     logprobs, GRPO advantages, clipped token-mean loss, micro-batches, gradient clipping, AdamW)
     against a bare torch loop that does the same forward, backward and optimizer step on the
     same batches with the model's full logits and log_softmax. Target >= 0.9.
@@ -45,8 +45,8 @@ from reservoir.models import TinySpec, build_tiny_model, load_model  # noqa: E40
 from reservoir.store import Experience, Store  # noqa: E402
 from reservoir.store.runs import delete_run  # noqa: E402
 from reservoir.trainer.batch import TrainBatch, make_batch  # noqa: E402
-from reservoir.trainer.ranks import TrainerPool, load_policy, rank_threads, train_rows  # noqa
-from reservoir.trainer.step import PRESETS  # noqa: E402
+from reservoir.trainer.learner import Learner  # noqa: E402
+from reservoir.trainer.ranks import TrainerPool, rank_threads  # noqa: E402
 
 CPU = torch.device("cpu")
 console = Console()
@@ -134,14 +134,16 @@ def alternate(sides: dict, repeat: int, threads: dict[str, int]) -> dict[str, li
 
 
 def step_bench(config, rows: list, args) -> dict[str, list[float]]:
-    """(a) train_rows against the bare loop, from the same weights on the same batches."""
-    ours, tokenizer, ours_optimizer = load_policy(config, CPU)
-    bare, _, bare_optimizer = load_policy(config, CPU)
-    pad, clip = tokenizer.pad_token_id, PRESETS[config.trainer.algorithm].clip_high
+    """(a) the learner's step against the bare loop, from the same weights on the same
+    batches."""
+    ours, bare = _learner(config), _learner(config)
+    bare_optimizer = bare.optimizer
+    pad, clip = ours.tokenizer.pad_token_id, ours.stage.algorithm.clip_high
+    bare = bare.model
     tensors = [bare_tensors(make_batch(batch, pad)) for batch in rows]
 
     def reservoir_step(batch) -> tuple[float, float]:
-        return measured(train_rows(ours, ours_optimizer, make_batch(batch, pad), config))
+        return measured(ours.train(1, make_batch(batch, pad)))
 
     def bare_loop_step(batch: TrainBatch) -> tuple[float, float]:
         loss = bare_step(bare, bare_optimizer, batch, args.n, args.micro_batch, clip)
@@ -162,14 +164,23 @@ def step_bench(config, rows: list, args) -> dict[str, list[float]]:
                      {"reservoir train_step": threads, "bare torch loop": threads})
 
 
+def _learner(config) -> Learner:
+    """A learner in the run's first stage (the trainer's algorithm on explorers' groups)."""
+    learner = Learner(config)
+    learner.begin(learner.plan[0])
+    return learner
+
+
 def pool_bench(config, rows: list, args) -> dict[str, list[float]]:
     """(b) two ranks against one worker on the same batches, from the same weights."""
     one = config.model_copy(update={"trainer": config.trainer.model_copy(update={"workers": 1})})
     sides, threads = {}, {}
     for name, cfg in (("1 worker", one), ("2-rank pool", config)):
-        model, tokenizer, optimizer = load_policy(cfg, CPU)
+        learner = _learner(cfg)
+        model, pad = learner.model, learner.tokenizer.pad_token_id
         started = time.perf_counter()
-        pool = TrainerPool(cfg, model, optimizer, tokenizer.pad_token_id, CPU)
+        pool = TrainerPool(cfg, learner)
+        pool.load(learner.save(Path(tempfile.mkdtemp()), 0, 0))  # every rank in its stage
         if cfg.trainer.workers > 1:
             console.print(f"pool start (spawn, load the model, join): "
                           f"{time.perf_counter() - started:.1f}s", highlight=False)
@@ -178,8 +189,8 @@ def pool_bench(config, rows: list, args) -> dict[str, list[float]]:
 
     def steps(name, batches):
         pool = sides[name][0]
-        return [partial(lambda batch: measured(pool.train(0, batch)[0]), batch)
-                for batch in batches]
+        return [partial(lambda batch: measured(pool.train(1, batch, make_batch(batch, pad))),
+                        batch) for batch in batches]
 
     try:
         for name in sides:  # warm-up, untimed
