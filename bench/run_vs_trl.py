@@ -1,11 +1,18 @@
-"""Reservoir's GRPO run (sync and async) against TRL's GRPOTrainer, in one run, on the CPU.
+"""Reservoir's GRPO run against TRL's GRPOTrainer from the same start, per step and per second.
 
-The same start model (the tiny Qwen2 after the same supervised warm-up), the same reverse-word
-tasks, group size, batch, learning rate, temperature and reward. Prints, for each, the wall time
-until the training reward (mean of the last 10 steps) first reaches the target, samples/s, and the
-ratio Reservoir / TRL (target <= 0.7). Needs the bench extra: pip install -e '.[bench]'.
+The same start model (the tiny Qwen2 after the same supervised warm-up), the same tasks, group
+size, batch, learning rate, temperature and reward. For TRL, Reservoir sync, Reservoir sync with
+dynamic sampling (`sampler: {dynamic_sampling: true}`) and Reservoir async it prints the first
+step, and the seconds, at which the trailing mean reward (`--window` steps) reaches each of
+`--levels`, and the ratios Reservoir / TRL (steps and seconds) measured in this same run.
 
-    python bench/run_vs_trl.py [--steps 60 --target 0.5 --db-url postgresql://...]
+The levels read the rollout reward: the mean reward of every response sampled with the policy
+after s - 1 updates (TRL: the generation batch of step s; Reservoir: the experiences of policy
+version s - 1, from the store, set-aside groups included). Without dynamic sampling that is the
+batch reward each step trains on; with it, the batch holds only the groups whose rewards differ,
+so its reward is printed too but not compared. Needs the bench extra: pip install -e '.[bench]'.
+
+    python bench/run_vs_trl.py [--tasks reverse|addition-facts --warmup-steps 300 --steps 60]
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 
 import argparse
 import json
+import math
+import random
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,26 +47,50 @@ from reservoir.models import build_tiny_model, load_model  # noqa: E402
 from reservoir.store import Store  # noqa: E402
 from reservoir.trainer.sft import supervised  # noqa: E402
 
-WINDOW = 10  # steps in the trailing reward mean compared with the target
+SIDES = ("trl", "sync", "dynamic", "async")
 
 
 @dataclass
 class Outcome:
     name: str
-    curve: list[tuple[float, float]]  # (seconds since training start, batch reward mean)
-    samples: int
-    wall_s: float  # the whole call, set-up included
+    seconds: list[float]        # per step: seconds since training start when it was done
+    rollout: list[float]        # per step s: mean reward of the policy after s - 1 updates
+    batch: list[float]          # per step: mean reward of the rows the step trained on
+    wall_s: float               # the whole call, set-up included
+    samples: int                # responses sampled (set-aside groups included)
+    zero_variance: float        # share of sampled groups whose rewards were all equal
+    extra: dict = field(default_factory=dict)  # means of a few step metrics, for the notes
 
-    def time_to(self, target: float) -> float | None:
-        rewards = [reward for _, reward in self.curve]
-        for i in range(WINDOW - 1, len(rewards)):
-            if np.mean(rewards[i - WINDOW + 1:i + 1]) >= target:
-                return self.curve[i][0]
+    def reached(self, level: float, window: int, series: list[float] | None = None) -> int | None:
+        """The first step (1-based) whose trailing `window`-step mean is >= level."""
+        values = np.asarray(self.rollout if series is None else series, dtype=float)
+        for i in range(window - 1, len(values)):
+            chunk = values[i - window + 1:i + 1]
+            if np.isfinite(chunk).any() and np.nanmean(chunk) >= level:
+                return i + 1
         return None
 
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.curve[-1][0]
+
+def addition_facts(repeats: int, *, seed: int = 0,
+                   test_fraction: float = 0.1) -> list[dict]:
+    """Every single-digit fact 'a+b' -> a+b, as a user's file holds them: train facts in
+    systematic order (0+0, 0+1, ..., 9+9) written `repeats` times over, then the held-out
+    facts (a seeded tenth) once."""
+    facts = [(a, b) for a in range(10) for b in range(10)]
+    held_out = set(random.Random(seed).sample(facts, round(len(facts) * test_fraction)))
+    def row(a: int, b: int, split: str) -> dict:
+        return {"prompt": f"{a}+{b}", "answer": str(a + b), "split": split,
+                "source": "addition-facts"}
+
+    train = [row(a, b, "train") for a, b in facts if (a, b) not in held_out]
+    return train * repeats + [row(a, b, "test") for a, b in sorted(held_out)]
+
+
+def task_set(args) -> list[dict]:
+    if args.tasks == "reverse":
+        return GENERATORS["reverse"](3000, seed=0, test_fraction=0.1)
+    needed = args.steps * args.batch_groups * 3  # dynamic sampling explores more per step
+    return addition_facts(max(4, math.ceil(needed / 90 / 0.7)))
 
 
 def start_model(scratch: Path, tasks: list[dict], args) -> Path:
@@ -72,8 +105,19 @@ def start_model(scratch: Path, tasks: list[dict], args) -> Path:
     return scratch / "start"
 
 
-def run_reservoir(mode: str, model: Path, task_file: Path, scratch: Path, args) -> Outcome:
-    name = f"bench-{mode}-{uuid.uuid4().hex[:6]}"
+STEPS = text("SELECT t.step, extract(epoch FROM t.created_at - s.created_at), t.metrics "
+             "FROM train_steps t JOIN runs r ON r.id = t.run_id JOIN train_steps s "
+             "ON s.run_id = r.id AND s.step = 0 WHERE r.name = :run AND t.step > 0 "
+             "ORDER BY t.step")
+# one row per sampled group: its policy version, reward sum, responses, all rewards equal
+GROUPS = text("SELECT e.policy_version, sum(e.reward), count(*), min(e.reward) = max(e.reward) "
+              "FROM experiences e JOIN runs r ON r.id = e.run_id WHERE r.name = :run "
+              "GROUP BY e.policy_version, e.group_id")
+
+
+def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) -> Outcome:
+    mode = "async" if side == "async" else "sync"
+    name = f"bench-{side}-{uuid.uuid4().hex[:6]}"
     config = parse_config({
         "run": {"name": name, "mode": mode, "seed": 0}, "model": {"path": str(model)},
         "tasks": {"file": str(task_file)},
@@ -83,19 +127,30 @@ def run_reservoir(mode: str, model: Path, task_file: Path, scratch: Path, args) 
                     "micro_batch": args.n * args.batch_groups, "steps": args.steps,
                     "eval_interval": 10 * args.steps, "checkpoint_interval": 10 * args.steps,
                     "checkpoint_dir": str(scratch / "checkpoints")},
-        "sampler": {"max_staleness": 1 if mode == "async" else None},
+        "sampler": {"max_staleness": 1 if mode == "async" else None,
+                    "dynamic_sampling": side == "dynamic"},
         "store": {"url": args.db_url}})
     started = time.perf_counter()
     pool.run(config, console=Console(quiet=True))
     wall_s = time.perf_counter() - started
     with Store.open(config, quiet=True, migrate=True) as store, store.engine.connect() as conn:
-        rows = conn.execute(text(
-            "SELECT extract(epoch FROM t.created_at - s.created_at), t.metrics ->> 'reward_mean' "
-            "FROM train_steps t JOIN runs r ON r.id = t.run_id JOIN train_steps s "
-            "ON s.run_id = r.id AND s.step = 0 WHERE r.name = :run AND t.step > 0 "
-            "ORDER BY t.step"), {"run": name}).all()
-    curve = [(float(seconds), float(reward)) for seconds, reward in rows]
-    return Outcome(f"reservoir {mode}", curve, args.steps * args.batch_groups * args.n, wall_s)
+        steps = conn.execute(STEPS, {"run": name}).all()
+        groups = conn.execute(GROUPS, {"run": name}).all()
+    metrics = [row[2] if isinstance(row[2], dict) else json.loads(row[2]) for row in steps]
+    totals: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for version, total, count, _ in groups:
+        totals[version] = totals.get(version, 0.0) + float(total)
+        counts[version] = counts.get(version, 0) + count
+    rollout = [totals[v] / counts[v] if v in counts else float("nan") for v in range(args.steps)]
+    extra = {key: float(np.mean([m.get(key, 0.0) for m in metrics])) for key in
+             ("policy/clip_fraction", "policy/ratio_mean", "dynamic/set_aside_groups")
+             if any(key in m for m in metrics)}
+    label = {"dynamic": "sync+dynamic"}.get(side, side)
+    return Outcome(f"reservoir {label}", [float(row[1]) for row in steps], rollout,
+                   [float(m["reward_mean"]) for m in metrics], wall_s,
+                   sum(count for _, _, count, _ in groups),
+                   float(np.mean([flat for *_, flat in groups])), extra)
 
 
 def run_trl_side(model: Path, train: list[dict], scratch: Path, args) -> Outcome:
@@ -104,14 +159,19 @@ def run_trl_side(model: Path, train: list[dict], scratch: Path, args) -> Outcome
                      n=args.n, batch_groups=args.batch_groups, lr=args.lr, temperature=1.0,
                      max_tokens=args.max_tokens, steps=args.steps, seed=0,
                      out_dir=scratch / "trl")
-    return Outcome("trl GRPOTrainer", [(s, r) for s, _, r in result.curve], result.samples,
-                   time.perf_counter() - started)
+    rewards = [reward for _, _, reward in result.curve]
+    return Outcome("trl GRPOTrainer", [s for s, _, _ in result.curve], rewards, rewards,
+                   time.perf_counter() - started, result.samples,
+                   float(np.mean(result.zero_std)) if result.zero_std else float("nan"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", choices=("reverse", "addition-facts"), default="reverse")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--target", type=float, default=0.45)
+    parser.add_argument("--levels", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5])
+    parser.add_argument("--window", type=int, default=10, help="steps in the trailing mean")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--batch-groups", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=10)
@@ -119,51 +179,71 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=1500)
     parser.add_argument("--db-url", default=None, help="default: the embedded server")
     args = parser.parse_args()
+    sides = ["trl"] + [side for side in SIDES[1:] if side in args.sides]  # TRL: the baseline
     console = Console()
-    rows = GENERATORS["reverse"](3000, seed=0, test_fraction=0.1)
+    rows = task_set(args)
     train = [row for row in rows if row["split"] == "train"]
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         with console.status(f"supervised warm-up ({args.warmup_steps} steps)"):
             model = start_model(scratch, train, args)
-        rl_tasks = train[int(len(train) * 0.3):]  # what the warm-up did not see
+        rl_tasks = train[int(len(train) * 0.3):]  # after what the warm-up drew from
         task_file = scratch / "tasks.jsonl"
         task_file.write_text("".join(json.dumps(row) + "\n" for row in
                                      rl_tasks + [r for r in rows if r["split"] == "test"]))
-        outcomes = []
-        for label, run in (("trl", lambda: run_trl_side(model, rl_tasks, scratch, args)),
-                           ("sync", lambda: run_reservoir("sync", model, task_file, scratch, args)),
-                           ("async", lambda: run_reservoir("async", model, task_file, scratch,
-                                                           args))):
-            with console.status(f"{label}: {args.steps} steps"):
-                outcomes.append(run())
-    report(console, outcomes, args)
+        header(console, args)
+        trl = None
+        for side in sides:
+            with console.status(f"{side}: {args.steps} steps"):
+                outcome = (run_trl_side(model, rl_tasks, scratch, args) if side == "trl"
+                           else run_reservoir(side, model, task_file, scratch, args))
+            trl = trl or outcome
+            report(console, outcome, trl, args)  # each side as it ends: a slow one loses none
 
 
-def report(console: Console, outcomes: list[Outcome], args) -> None:
-    console.print(f"# {args.steps} steps, batch {args.batch_groups} groups x {args.n}, "
-                  f"max_tokens {args.max_tokens}, lr {args.lr}; target: mean reward of "
-                  f"{WINDOW} steps >= {args.target}")
-    trl = outcomes[0]
-    for outcome in outcomes:
-        reached = outcome.time_to(args.target)
-        rewards = [reward for _, reward in outcome.curve]
-        blocks = " ".join(f"{np.mean(rewards[i:i + WINDOW]):.2f}"
-                          for i in range(0, len(rewards), WINDOW))
-        console.print(f"{outcome.name}: reward per {WINDOW} steps: {blocks}", highlight=False)
-        console.print(
-            f"{outcome.name}: time to target "
-            f"{'not reached' if reached is None else f'{reached:.1f} s'} | "
-            f"{outcome.samples_per_s:.0f} samples/s | reward first {WINDOW} steps "
-            f"{np.mean(rewards[:WINDOW]):.3f} -> last {WINDOW} {np.mean(rewards[-WINDOW:]):.3f} "
-            f"| training {outcome.curve[-1][0]:.1f} s, whole call {outcome.wall_s:.1f} s",
-            highlight=False)
-    for outcome in outcomes[1:]:
-        mine, theirs = outcome.time_to(args.target), trl.time_to(args.target)
-        ratio = f"{mine / theirs:.2f}" if mine and theirs else "n/a (target not reached)"
-        console.print(f"ratio {outcome.name} / trl, time to target: {ratio} (target <= 0.7); "
-                      f"samples/s ratio trl / {outcome.name}: "
-                      f"{trl.samples_per_s / outcome.samples_per_s:.2f}", highlight=False)
+def _say(console: Console, line: str) -> None:
+    console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def header(console: Console, args) -> None:
+    _say(console, f"# {args.tasks}, warm-up {args.warmup_steps} steps, {args.steps} RL steps of "
+         f"{args.batch_groups} groups x {args.n}, max_tokens {args.max_tokens}, lr {args.lr}")
+    _say(console, f"# levels {' '.join(map(str, args.levels))}: the first step (and its seconds) at "
+         f"which the trailing {args.window}-step mean ROLLOUT reward (every response of the "
+         "policy after s-1 updates) reaches each; '-': never")
+
+
+def _cells(values) -> str:
+    return " ".join(f"{'-' if value is None else value:>6}" for value in values)
+
+
+def report(console: Console, outcome: Outcome, trl: Outcome, args) -> None:
+    """One side's lines: steps and seconds to each level, its curve, and its ratios to TRL."""
+    window, levels = args.window, args.levels
+    at = [outcome.reached(level, window) for level in levels]
+    _say(console, f"{outcome.name + ' steps':42} {_cells(at)}")
+    _say(console, f"{outcome.name + ' seconds':42} "
+         f"{_cells(None if s is None else f'{outcome.seconds[s - 1]:.1f}' for s in at)}")
+    if outcome.batch != outcome.rollout:  # dynamic sampling: the trained groups' reward
+        _say(console, f"{outcome.name + ' batch-reward steps':42} "
+             f"{_cells(outcome.reached(level, window, outcome.batch) for level in levels)}"
+             "  (the trained groups only: not compared)")
+    blocks = " ".join(f"{np.nanmean(outcome.rollout[i:i + window]):.2f}"
+                      for i in range(0, len(outcome.rollout), window))
+    notes = " ".join(f"{key} {value:.3f}" for key, value in outcome.extra.items())
+    _say(console, f"{outcome.name}: rollout reward per {window} steps: {blocks} | zero-variance "
+         f"groups {outcome.zero_variance:.0%} | {outcome.samples} samples, "
+         f"{outcome.samples / outcome.seconds[-1]:.0f}/s | training {outcome.seconds[-1]:.1f} s, "
+         f"whole call {outcome.wall_s:.1f} s{' | ' + notes if notes else ''}")
+    if outcome is trl:
+        return
+    theirs = [trl.reached(level, window) for level in levels]
+    steps = [f"{mine / their:.2f}" if mine and their else None
+             for mine, their in zip(at, theirs)]
+    seconds = [f"{outcome.seconds[mine - 1] / trl.seconds[their - 1]:.2f}" if mine and their
+               else None for mine, their in zip(at, theirs)]
+    _say(console, f"{'ratio ' + outcome.name + ' / trl':42} {_cells(steps)}  steps | seconds: "
+         f"{_cells(seconds)}")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,16 @@ token-mean loss over the whole batch (loss_type "dapo": with one process, no gra
 and steps_per_generation 1 it divides by the batch's completion-token count), AdamW at a constant
 learning rate (weight decay 0.01, torch's AdamW default, which Reservoir uses), gradient norm
 clipped to 1.0, float32 on the CPU. Prompts are conversational, so TRL renders them with the
-model's chat template as Reservoir's explorer does; the reward is Reservoir's exact_match.
+model's chat template as Reservoir's explorer does (the same token ids); the reward is
+Reservoir's exact_match on the completion's text without special tokens, cut at end-of-turn.
 
-Known differences TRL does not let us remove: TRL's group std has Bessel's correction and eps
-1e-4 (Reservoir: population std, eps 1e-6), and TRL shuffles prompts with its own sampler.
+Known differences TRL does not let us remove, none of which changes a step by more than noise
+here: TRL's group std has Bessel's correction and eps 1e-4 (Reservoir: population std, eps
+1e-6; for one group size a constant factor on every advantage, which AdamW cancels); HF's
+Trainer exempts biases and norm weights from weight decay (Reservoir decays every weight); with
+one step per generation TRL's importance ratio is exactly 1 (old logprobs = the current ones,
+detached), Reservoir's is against the engine's sampling logprobs (1 up to rounding in sync
+mode); TRL shuffles prompts with its own seeded sampler, every epoch.
 
     python bench/trl_grpo.py [--steps 3 --n 4 --batch-groups 4 --max-tokens 10]
 """
@@ -35,6 +41,7 @@ from reservoir.explorer.rewards import REWARDS
 from reservoir.models import load_model
 
 REWARD_LOG_KEY = "reward"  # GRPOTrainer's log key for the batch's mean total reward
+ZERO_STD_LOG_KEY = "frac_reward_zero_std"  # its share of groups whose rewards are all equal
 
 
 @dataclass
@@ -42,6 +49,7 @@ class TrlResult:
     """(seconds since training start, step, mean batch reward) per optimizer step."""
 
     curve: list[tuple[float, int, float]] = field(default_factory=list)
+    zero_std: list[float] = field(default_factory=list)  # per step: share of zero-std groups
     samples: int = 0
     wall_s: float = 0.0
 
@@ -51,6 +59,7 @@ class RewardCurve(TrainerCallback):
 
     def __init__(self) -> None:
         self.curve: list[tuple[float, int, float]] = []
+        self.zero_std: list[float] = []
         self.start = time.perf_counter()
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -60,6 +69,8 @@ class RewardCurve(TrainerCallback):
         if logs and logs.get(REWARD_LOG_KEY) is not None:
             self.curve.append((time.perf_counter() - self.start, state.global_step,
                                float(logs[REWARD_LOG_KEY])))
+            if logs.get(ZERO_STD_LOG_KEY) is not None:
+                self.zero_std.append(float(logs[ZERO_STD_LOG_KEY]))
 
 
 def exact_match(completions: list[list[dict[str, str]]], answer: list[str], **_) -> list[float]:
@@ -102,8 +113,8 @@ def run_trl(model_dir: Path, train_prompts: list[str], train_answers: list[str],
     started = time.perf_counter()
     trainer.train()
     wall_s = time.perf_counter() - started
-    return TrlResult(curve=recorder.curve, samples=trainer.state.global_step * batch_groups * n,
-                     wall_s=wall_s)
+    return TrlResult(curve=recorder.curve, zero_std=recorder.zero_std,
+                     samples=trainer.state.global_step * batch_groups * n, wall_s=wall_s)
 
 
 def main() -> None:
