@@ -111,18 +111,20 @@ def test_grpo_kl_loss_changes_with_kl_coef_and_the_reference_stays_frozen(model_
     for param in reference.parameters():
         param.requires_grad_(False)
     frozen = {name: p.clone() for name, p in reference.named_parameters()}
-    losses = {}
-    for coef in (0.0, 0.04, 1.0):
-        model = copy.deepcopy(start).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        algorithm = PRESETS["grpo-kl"].replace(kl_coef=coef)
-        for _ in range(3):  # the policy moves away from the reference: KL > 0
-            metrics = train_step(model, optimizer, batch, algorithm, micro_batch=6,
-                                 reference=reference if coef else None)
-        losses[coef] = metrics["loss"]
-        if coef:
-            assert metrics["kl"] > 0
-    assert losses[0.0] < losses[0.04] < losses[1.0]
+    model = copy.deepcopy(start).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):  # the policy moves away from the reference: KL > 0
+        train_step(model, optimizer, batch, PRESETS["grpo-kl"], micro_batch=6,
+                   reference=reference)
+    losses, kls = {}, {}
+    for coef in (0.0, 0.04, 1.0):  # the same weights, no update: loss = policy + coef * KL
+        metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch,
+                             PRESETS["grpo-kl"].replace(kl_coef=coef), micro_batch=6,
+                             reference=reference if coef else None, max_grad_norm=None)
+        losses[coef], kls[coef] = metrics["loss"], metrics.get("kl")
+    assert kls[0.04] > 0 and kls[0.04] == pytest.approx(kls[1.0])
+    assert losses[0.04] == pytest.approx(losses[0.0] + 0.04 * kls[0.04], abs=1e-6)
+    assert losses[1.0] == pytest.approx(losses[0.0] + kls[1.0], abs=1e-6)
     for name, param in reference.named_parameters():
         assert torch.equal(param, frozen[name]), name
     with pytest.raises(ValueError, match="reference"):
