@@ -94,7 +94,8 @@ def main() -> None:
         start = base(scratch, args)
         tag = time.strftime("%H%M%S")
         for preset in args.presets:
-            stages = [{"name": preset, "algorithm": preset, "steps": args.steps}]
+            label = preset.replace("+", "p")  # run and stage names: letters, digits, . _ -
+            stages = [{"name": label, "algorithm": preset, "steps": args.steps}]
             if preset == "sft":
                 stages[0]["data"] = {"stored": {"runs": [f"bench-grpo-{tag}"],
                                                 "status": ["consumed"], "select": "best",
@@ -105,7 +106,7 @@ def main() -> None:
                 stages[0] |= {"batch": 16, "lr": 1e-4,
                               "data": {"preferences": {"runs": [f"bench-grpo-{tag}"]}}}
             with console.status(f"{preset}: {args.steps} steps"):
-                before, after, minutes = run(config(scratch, args, f"bench-{preset}-{tag}",
+                before, after, minutes = run(config(scratch, args, f"bench-{label}-{tag}",
                                                     stages, branch_from=start))
             table.add_row(preset, f"{before:.3f}", f"{after:.3f}", f"{after - before:+.3f}",
                           f"{minutes:.1f}")

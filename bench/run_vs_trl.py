@@ -71,26 +71,27 @@ class Outcome:
         return None
 
 
-def addition_facts(repeats: int, *, seed: int = 0,
-                   test_fraction: float = 0.1) -> list[dict]:
-    """Every single-digit fact 'a+b' -> a+b, as a user's file holds them: train facts in
-    systematic order (0+0, 0+1, ..., 9+9) written `repeats` times over, then the held-out
-    facts (a seeded tenth) once."""
+def addition_facts(repeats: int, *, seed: int = 0, test_fraction: float = 0.1) -> list[dict]:
+    """Every single-digit fact 'a+b' -> a+b as a user's file may hold them: the train facts in
+    systematic order (0+0, 0+1, ..., 9+9), each written `repeats` times in a row, then the
+    held-out facts (a seeded tenth) once each. The warm-up reads the first 30 % of the train
+    rows, so the facts after it are new to the start model."""
     facts = [(a, b) for a in range(10) for b in range(10)]
     held_out = set(random.Random(seed).sample(facts, round(len(facts) * test_fraction)))
+
     def row(a: int, b: int, split: str) -> dict:
         return {"prompt": f"{a}+{b}", "answer": str(a + b), "split": split,
                 "source": "addition-facts"}
 
-    train = [row(a, b, "train") for a, b in facts if (a, b) not in held_out]
-    return train * repeats + [row(a, b, "test") for a, b in sorted(held_out)]
+    train = [row(a, b, "train") for a, b in facts if (a, b) not in held_out
+             for _ in range(repeats)]
+    return train + [row(a, b, "test") for a, b in sorted(held_out)]
 
 
 def task_set(args) -> list[dict]:
     if args.tasks == "reverse":
         return GENERATORS["reverse"](3000, seed=0, test_fraction=0.1)
-    needed = args.steps * args.batch_groups * 3  # dynamic sampling explores more per step
-    return addition_facts(max(4, math.ceil(needed / 90 / 0.7)))
+    return addition_facts(max(8, math.ceil(args.steps * args.batch_groups / 63)))
 
 
 def start_model(scratch: Path, tasks: list[dict], args) -> Path:
@@ -117,6 +118,7 @@ GROUPS = text("SELECT e.policy_version, sum(e.reward), count(*), min(e.reward) =
 
 def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) -> Outcome:
     mode = "async" if side == "async" else "sync"
+    steps = args.dynamic_steps if side == "dynamic" and args.dynamic_steps else args.steps
     name = f"bench-{side}-{uuid.uuid4().hex[:6]}"
     config = parse_config({
         "run": {"name": name, "mode": mode, "seed": 0}, "model": {"path": str(model)},
@@ -124,7 +126,7 @@ def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) 
         "explorer": {"n": args.n, "batch_tasks": args.batch_groups, "max_tokens": args.max_tokens,
                      "temperature": 1.0, "workers": 1},
         "trainer": {"lr": args.lr, "batch_groups": args.batch_groups,
-                    "micro_batch": args.n * args.batch_groups, "steps": args.steps,
+                    "micro_batch": args.n * args.batch_groups, "steps": steps,
                     "eval_interval": 10 * args.steps, "checkpoint_interval": 10 * args.steps,
                     "checkpoint_dir": str(scratch / "checkpoints")},
         "sampler": {"max_staleness": 1 if mode == "async" else None,
@@ -134,20 +136,20 @@ def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) 
     pool.run(config, console=Console(quiet=True))
     wall_s = time.perf_counter() - started
     with Store.open(config, quiet=True, migrate=True) as store, store.engine.connect() as conn:
-        steps = conn.execute(STEPS, {"run": name}).all()
+        step_rows = conn.execute(STEPS, {"run": name}).all()
         groups = conn.execute(GROUPS, {"run": name}).all()
-    metrics = [row[2] if isinstance(row[2], dict) else json.loads(row[2]) for row in steps]
+    metrics = [row[2] if isinstance(row[2], dict) else json.loads(row[2]) for row in step_rows]
     totals: dict[int, float] = {}
     counts: dict[int, int] = {}
     for version, total, count, _ in groups:
         totals[version] = totals.get(version, 0.0) + float(total)
         counts[version] = counts.get(version, 0) + count
-    rollout = [totals[v] / counts[v] if v in counts else float("nan") for v in range(args.steps)]
+    rollout = [totals[v] / counts[v] if v in counts else float("nan") for v in range(steps)]
     extra = {key: float(np.mean([m.get(key, 0.0) for m in metrics])) for key in
              ("policy/clip_fraction", "policy/ratio_mean", "dynamic/set_aside_groups")
              if any(key in m for m in metrics)}
     label = {"dynamic": "sync+dynamic"}.get(side, side)
-    return Outcome(f"reservoir {label}", [float(row[1]) for row in steps], rollout,
+    return Outcome(f"reservoir {label}", [float(row[1]) for row in step_rows], rollout,
                    [float(m["reward_mean"]) for m in metrics], wall_s,
                    sum(count for _, _, count, _ in groups),
                    float(np.mean([flat for *_, flat in groups])), extra)
@@ -172,6 +174,9 @@ def main() -> None:
     parser.add_argument("--levels", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5])
     parser.add_argument("--window", type=int, default=10, help="steps in the trailing mean")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--dynamic-steps", type=int, default=None,
+                        help="RL steps of the dynamic-sampling side (default --steps): with most "
+                        "groups flat each of its steps samples many groups")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--batch-groups", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=10)
@@ -231,7 +236,8 @@ def report(console: Console, outcome: Outcome, trl: Outcome, args) -> None:
     blocks = " ".join(f"{np.nanmean(outcome.rollout[i:i + window]):.2f}"
                       for i in range(0, len(outcome.rollout), window))
     notes = " ".join(f"{key} {value:.3f}" for key, value in outcome.extra.items())
-    _say(console, f"{outcome.name}: rollout reward per {window} steps: {blocks} | zero-variance "
+    _say(console, f"{outcome.name}: {len(outcome.rollout)} steps, rollout reward per {window}: "
+         f"{blocks} | zero-variance "
          f"groups {outcome.zero_variance:.0%} | {outcome.samples} samples, "
          f"{outcome.samples / outcome.seconds[-1]:.0f}/s | training {outcome.seconds[-1]:.1f} s, "
          f"whole call {outcome.wall_s:.1f} s{' | ' + notes if notes else ''}")
