@@ -52,13 +52,13 @@ def run(raw: dict) -> tuple[float, float, float]:
     return summary.accuracy[0][1], summary.accuracy[-1][1], (time.perf_counter() - started) / 60
 
 
-def base(scratch: Path, args) -> str:
+def base(scratch: Path, args, tag: str) -> str:
     """RUN@STEP every preset branches from: the warm-up, trained once."""
     stages = [{"name": "warm-up", "algorithm": "sft", "steps": args.warmup_steps,
                "lr": 1e-3, "batch": 32, "data": "tasks"}]
     with console.status(f"warm-up: {args.warmup_steps} sft steps"):
-        run(config(scratch, args, "bench-base", stages))
-    return f"bench-base@{args.warmup_steps}"
+        run(config(scratch, args, f"bench-base-{tag}", stages))
+    return f"bench-base-{tag}@{args.warmup_steps}"
 
 
 def stored_pairs(db_url: str | None, scratch: Path, args, run_name: str) -> int:
@@ -91,8 +91,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         build_tiny_model(scratch / "tiny", seed=0)
-        start = base(scratch, args)
-        tag = time.strftime("%H%M%S")
+        tag = time.strftime("%H%M%S")  # run names are new in a store that keeps old ones
+        start = base(scratch, args, tag)
         for preset in args.presets:
             label = preset.replace("+", "p")  # run and stage names: letters, digits, . _ -
             stages = [{"name": label, "algorithm": preset, "steps": args.steps}]
