@@ -62,8 +62,10 @@ class Outcome:
     extra: dict = field(default_factory=dict)  # means of a few step metrics, for the notes
 
     def reached(self, level: float, window: int, series: list[float] | None = None) -> int | None:
-        """The first step (1-based) whose trailing `window`-step mean is >= level."""
+        """The first step (1-based) whose trailing `window`-step mean is >= level (a side run
+        for fewer steps than `window`, the dynamic one, uses all of its steps)."""
         values = np.asarray(self.rollout if series is None else series, dtype=float)
+        window = min(window, len(values))
         for i in range(window - 1, len(values)):
             chunk = values[i - window + 1:i + 1]
             if np.isfinite(chunk).any() and np.nanmean(chunk) >= level:

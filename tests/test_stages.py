@@ -176,3 +176,23 @@ def test_dynamic_sampling_trains_only_groups_with_signal_and_records_the_rest(tm
                             "FROM train_steps WHERE step > 0")
     assert skipped == [(sum(n for *_, n in aside) // 4, 0.0)]
     assert query(db_url, "SELECT rows_sampled FROM runs") == [(24,)]  # set-aside rows uncounted
+
+
+def test_a_dpo_stage_takes_epochs_over_its_pairs_or_says_it_ran_out(tmp_path, db_url):
+    model = build_tiny_model(tmp_path / "tiny", seed=9)
+    stages = [{"name": "prefer", "algorithm": "dpo", "steps": 3, "batch": 2,
+               "data": {"preferences": {}}}]
+    config_path = staged_config(tmp_path, "epochs", db_url, model, stages)
+    fill_with_pairs(db_url, config_path, groups=2)
+    finish(start("train", str(config_path), cwd=tmp_path))
+    # three epochs over the two pairs, one a step
+    assert query(db_url, "SELECT count(*), sum(times_sampled) FROM preferences") == [(2, 6)]
+    assert query(db_url, "SELECT count(*), count(DISTINCT train_step_id) FROM batch_pairs") == \
+        [(6, 3)]
+    raw = yaml.safe_load(config_path.read_text())
+    raw["run"]["name"] = "once"
+    raw["stages"][0]["data"]["preferences"] = {"runs": ["offline"], "epochs": False}
+    raw["trainer"]["wait_timeout_s"] = 2
+    refused = start("train", str(write_config(tmp_path / "once.yaml", raw)), cwd=tmp_path)
+    output, _ = refused.communicate(timeout=120)
+    assert refused.returncode == 1 and "no preference pair of run ids" in output

@@ -316,6 +316,8 @@ class PreferenceData(Section):
 
     runs: tuple[RunName, ...] = Field(default=(), description="runs whose pairs are leased; "
                                       "empty: this run")
+    epochs: bool = Field(default=True, description="once every pair has trained, all become "
+                         "ready again (another epoch); false: the stage waits for new pairs")
 
 
 class StageData(Section):

@@ -172,6 +172,22 @@ async def lease_pairs(engine: AsyncEngine, run_ids: Sequence[int], *, pairs: int
         await asyncio.sleep(poll_interval_s)
 
 
+# Every pair of the runs has trained and none is ready or leased: all become ready again (the
+# next epoch over them).
+RECYCLE_PAIRS = text("""
+UPDATE preferences SET status = 'ready'
+WHERE run_id = ANY(:run_ids) AND status = 'consumed'
+AND NOT EXISTS (SELECT 1 FROM preferences p
+                WHERE p.run_id = ANY(:run_ids) AND p.status IN ('ready', 'leased'))
+""").bindparams(bindparam("run_ids", type_=ARRAY(BigInteger)))
+
+
+async def recycle_pairs(engine: AsyncEngine, run_ids: Sequence[int]) -> int:
+    """Start another epoch over the runs' pairs once all have trained; returns how many."""
+    async with engine.begin() as conn:
+        return (await conn.execute(RECYCLE_PAIRS, {"run_ids": list(run_ids)})).rowcount
+
+
 async def release_pairs(engine: AsyncEngine, lease: PairLease) -> int:
     """Hand a lease's pairs back to ready; returns how many it still held."""
     async with engine.begin() as conn:

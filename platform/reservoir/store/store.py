@@ -124,6 +124,9 @@ class AsyncStore:
     async def release_pairs(self, lease: PairLease) -> int:
         return await preferences.release_pairs(self.engine, lease)
 
+    async def recycle_pairs(self, run_ids: Sequence[int]) -> int:
+        return await preferences.recycle_pairs(self.engine, run_ids)
+
     async def close(self) -> None:
         await self.engine.dispose()
 
@@ -205,6 +208,7 @@ class Store:
     lease_pairs = _blocking(AsyncStore.lease_pairs)
     commit_pairs = _blocking(AsyncStore.commit_pairs)
     release_pairs = _blocking(AsyncStore.release_pairs)
+    recycle_pairs = _blocking(AsyncStore.recycle_pairs)
 
     def close(self) -> None:
         self._loop.run(self.aio.close())

@@ -206,16 +206,10 @@ class PairFeed(Feed):
                         else [context.run_id])
 
     def draw(self, step: int) -> Draw | None:
-        context, store = self.context, self.context.store
-        while not context.stop.is_set():
-            try:
-                lease = store.lease_pairs(self.run_ids, pairs=self.stage.batch,
-                                          timeout_s=LEASE_POLL_S)
-                break
-            except FlowControlTimeout:
-                continue
-        else:
+        lease = self._lease()
+        if lease is None:
             return None
+        context, store = self.context, self.context.store
         rows = self._pair_rows([(p.chosen_id, p.rejected_id) for p in lease.pairs])
 
         def commit(step: int, metrics: dict) -> None:
@@ -223,6 +217,26 @@ class PairFeed(Feed):
                                policy_version=context.version(), loss=metrics["loss"],
                                metrics=metrics, stage=self.stage.name)
         return Draw(rows, self._batch(rows), commit, lambda: store.release_pairs(lease))
+
+    def _lease(self):
+        """Up to `batch` ready pairs; a new epoch over the pairs when all have trained
+        (`epochs`); None if a stop came while waiting."""
+        context, started = self.context, time.monotonic()
+        store, wait_s = context.store, context.config.trainer.wait_timeout_s
+        while not context.stop.is_set():
+            try:
+                return store.lease_pairs(self.run_ids, pairs=self.stage.batch,
+                                         timeout_s=LEASE_POLL_S)
+            except FlowControlTimeout:
+                if self.stage.data.preferences.epochs and store.recycle_pairs(self.run_ids):
+                    continue
+                if time.monotonic() - started > wait_s:
+                    raise FlowControlTimeout(
+                        f"trainer.wait_timeout_s: no preference pair of run ids "
+                        f"{self.run_ids} became ready in {wait_s:g}s (stage "
+                        f"{self.stage.name!r}); write pairs with preference_pair_mapper or "
+                        "`reservoir review prefer`") from None
+        return None
 
     def _pair_rows(self, pairs: list[tuple[int, int]]) -> list:
         """The chosen responses, then the rejected ones, pair by pair."""
