@@ -245,6 +245,9 @@ def report(console: Console, outcome: Outcome, trl: Outcome, args) -> None:
          f"whole call {outcome.wall_s:.1f} s{' | ' + notes if notes else ''}")
     if outcome is trl:
         return
+    if len(outcome.rollout) < window:
+        _say(console, f"{'ratio ' + outcome.name + ' / trl':42} n/a: fewer steps than the window")
+        return
     theirs = [trl.reached(level, window) for level in levels]
     steps = [f"{mine / their:.2f}" if mine and their else None
              for mine, their in zip(at, theirs)]

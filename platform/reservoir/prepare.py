@@ -48,7 +48,7 @@ def task_rows(config: ReservoirConfig) -> list[dict]:
     tasks = config.tasks
     if tasks.file is not None:
         rows = read_task_file(tasks.file)
-        # random.Random(config.run.seed).shuffle(rows)  # TEMPORARY: before-run
+        random.Random(config.run.seed).shuffle(rows)
         return rows
     if tasks.generate is not None:
         return GENERATORS[tasks.generate](tasks.count, seed=config.run.seed,
