@@ -139,3 +139,25 @@ def test_ppo_trains_its_critic_towards_the_returns(model_path, batch):
     losses = [train_step(model, optimizer, batch, PRESETS["ppo"], micro_batch=6,
                          critic=critic)["critic/loss"] for _ in range(15)]
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_step_metrics_are_the_whole_batch_s_whatever_the_micro_batch(model_path, batch):
+    """Per-micro-batch metrics are weighted as the loss is (tokens for token-mean), so KL,
+    entropy and clip fraction are the batch's own, not a mean of micro-batch means."""
+    start = TransformersEngine(model_path).model
+    reference = copy.deepcopy(start).eval()
+    moved = copy.deepcopy(start).train()
+    train_step(moved, torch.optim.AdamW(moved.parameters(), lr=1e-2), batch,
+               PRESETS["grpo"], micro_batch=12)
+    uneven = copy.copy(batch)  # responses of different lengths: rows and tokens weigh apart
+    uneven.mask = batch.mask.clone()
+    for row in range(0, len(batch), 2):
+        trained = torch.nonzero(uneven.mask[row])[:, 0]
+        uneven.mask[row, trained[-(1 + row % 4):]] = 0
+    algorithm = PRESETS["grpo-kl"].replace(entropy_coef=0.01)
+    seen = [train_step(copy.deepcopy(moved), torch.optim.SGD(moved.parameters(), lr=0.0), uneven,
+                       algorithm, micro_batch=micro, reference=reference, max_grad_norm=None)
+            for micro in (len(batch), 5, 1)]
+    for name in ("loss", "kl", "entropy", "policy/clip_fraction", "policy/ratio_mean"):
+        assert seen[1][name] == pytest.approx(seen[0][name], abs=1e-6), name
+        assert seen[2][name] == pytest.approx(seen[0][name], abs=1e-6), name

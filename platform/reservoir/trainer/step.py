@@ -92,8 +92,8 @@ def train_step(model, optimizer, batch: TrainBatch, algorithm: Algorithm, *,
             parts |= critic_parts | {"critic/loss": float(critic_loss.detach())}
         (loss * weight).backward()
         sums["loss"] += float(loss.detach()) * weight
-        for name, value in parts.items():
-            sums[name] = sums.get(name, 0.0) + value * len(part) / total_rows
+        for name, value in parts.items():  # weighted as the loss is: the batch's own mean
+            sums[name] = sums.get(name, 0.0) + value * weight
     metrics = prepared.metrics
     if ranks.world > 1:
         sum_gradients(model, ranks)
