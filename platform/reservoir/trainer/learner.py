@@ -105,7 +105,7 @@ class Learner:
         """One optimizer step of the stage that trains `step` on `batch` (for preference
         stages: the chosen rows, then the rejected rows in the same order)."""
         stage = stage_at(self.plan, step)
-        if stage is not self.stage and stage != self.stage:
+        if stage != self.stage:
             raise RuntimeError(f"step {step} is in stage {stage.name!r}, the learner is in "
                                f"{getattr(self.stage, 'name', None)!r}")
         trainer, algorithm = self.config.trainer, stage.algorithm
