@@ -387,8 +387,10 @@ async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUI
         await conn.execute(SET_ASIDE, {"token": lease.token, "groups": list(groups),
                                        "reason": reason})
         for run_id in lease.run_ids:  # explorers may make more now: wake them (a hint only)
-            await conn.execute(select(func.pg_notify(runs.POLICY_CHANNEL, f"{run_id}:set-aside")))
-    kept = tuple(row for row in lease.rows if row.group_id not in set(groups))
+            await conn.execute(select(func.pg_notify(runs.POLICY_CHANNEL,
+                                                     f"{run_id}:set-aside")))
+    aside = set(groups)
+    kept = tuple(row for row in lease.rows if row.group_id not in aside)
     return Lease(lease.token, lease.run_ids, kept, lease.leased_until)
 
 

@@ -83,6 +83,24 @@ class Feed:
                             experience_ids=ids)
         return commit
 
+    def _wait_for(self, attempt: Callable, waited_out: Callable[[str], str],
+                  refill: Callable = lambda: False):
+        """`attempt()` (which raises FlowControlTimeout after LEASE_POLL_S) until it gives a
+        lease, `refill()` says there may be more now, a stop comes (None), or
+        trainer.wait_timeout_s passes: FlowControlTimeout, `waited_out(how long)` in one
+        line."""
+        started, wait_s = time.monotonic(), self.context.config.trainer.wait_timeout_s
+        while not self.context.stop.is_set():
+            try:
+                return attempt()
+            except FlowControlTimeout:
+                if refill():
+                    continue
+                if time.monotonic() - started > wait_s:
+                    raise FlowControlTimeout("trainer.wait_timeout_s: " +
+                                             waited_out(f"{wait_s:g}s")) from None
+        return None
+
     def replay(self, step: int) -> tuple[list, TrainBatch]:
         with self.context.store.engine.connect() as conn:
             ids = step_experiences(conn, self.context.run_id, step)
@@ -143,23 +161,16 @@ class ExplorerFeed(Feed):
 
     def _lease(self, groups: int):
         """Whole groups no staler than allowed; None if a stop came while waiting."""
-        context, started = self.context, time.monotonic()
-        config, store = context.config, context.store
-        floor = context.version() - config.staleness
+        config, store = self.context.config, self.context.store
+        floor = self.context.version() - config.staleness
         lease = lambda: store.lease(  # noqa: E731
-            config.run.name, groups=groups, min_policy_version=floor,
-            timeout_s=LEASE_POLL_S)
-        while not context.stop.is_set():
-            try:  # a lease lost with the connection is handed back before the next try
-                return context.patience(lease, "trainer lease", before_retry=lambda:
-                                        store.release_runs(config.run.name))
-            except FlowControlTimeout:
-                if time.monotonic() - started > config.trainer.wait_timeout_s:
-                    raise FlowControlTimeout(
-                        f"trainer.wait_timeout_s: no batch of {groups} groups "
-                        f"(version >= {floor}) came in {config.trainer.wait_timeout_s:g}s; "
-                        "is an explorer running (`reservoir explore CONFIG`)?") from None
-        return None
+            config.run.name, groups=groups, min_policy_version=floor, timeout_s=LEASE_POLL_S)
+        # a lease lost with the connection is handed back before the next try
+        return self._wait_for(
+            lambda: self.context.patience(lease, "trainer lease", before_retry=lambda:
+                                          store.release_runs(config.run.name)),
+            lambda waited: f"no batch of {groups} groups (version >= {floor}) came in {waited}; "
+            "is an explorer running (`reservoir explore CONFIG`)?")
 
 
 class TaskFeed(Feed):
@@ -227,22 +238,15 @@ class PairFeed(Feed):
     def _lease(self):
         """Up to `batch` ready pairs; a new epoch over the pairs when all have trained
         (`epochs`); None if a stop came while waiting."""
-        context, started = self.context, time.monotonic()
-        store, wait_s = context.store, context.config.trainer.wait_timeout_s
-        while not context.stop.is_set():
-            try:
-                return store.lease_pairs(self.run_ids, pairs=self.stage.batch,
-                                         timeout_s=LEASE_POLL_S)
-            except FlowControlTimeout:
-                if self.stage.data.preferences.epochs and store.recycle_pairs(self.run_ids):
-                    continue
-                if time.monotonic() - started > wait_s:
-                    raise FlowControlTimeout(
-                        f"trainer.wait_timeout_s: no preference pair of run ids "
-                        f"{self.run_ids} became ready in {wait_s:g}s (stage "
-                        f"{self.stage.name!r}); write pairs with preference_pair_mapper or "
-                        "`reservoir review prefer`") from None
-        return None
+        store = self.context.store
+        return self._wait_for(
+            lambda: store.lease_pairs(self.run_ids, pairs=self.stage.batch,
+                                      timeout_s=LEASE_POLL_S),
+            lambda waited: f"no preference pair of run ids {self.run_ids} became ready in "
+            f"{waited} (stage {self.stage.name!r}); write pairs with preference_pair_mapper or "
+            "`reservoir review prefer`",
+            refill=lambda: self.stage.data.preferences.epochs and store.recycle_pairs(
+                self.run_ids))
 
     def _pair_rows(self, pairs: list[tuple[int, int]]) -> list:
         """The chosen responses, then the rejected ones, pair by pair."""

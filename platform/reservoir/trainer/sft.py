@@ -12,6 +12,8 @@ from typing import Sequence
 import torch
 
 from reservoir.trainer.batch import TrainBatch
+from reservoir.trainer.presets import PRESETS
+from reservoir.trainer.step import train_step
 
 
 def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]) -> TrainBatch:
@@ -49,9 +51,6 @@ def supervised(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int
     """`steps` AdamW steps of answer-token cross-entropy outside any run (benchmarks make start
     models with it; a run's sft stage draws the same batches through `task_batch`); returns
     each step's loss."""
-    from reservoir.trainer.presets import PRESETS
-    from reservoir.trainer.step import train_step
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     model.train()

@@ -165,10 +165,9 @@ class TrainerWorker:
             self.summary.steps, self.summary.version = resumed.step, resumed.version
             with self.store.engine.connect() as conn:
                 published = version_by(conn, self.run_id, resumed.step)
+                committed = last_step(conn, self.run_id) or 0
             self.version = None if published is None else published[0]
             first, origin = resumed.step + 1, f"{checkpoint.name} (step {resumed.step})"
-            with self.store.engine.connect() as conn:
-                committed = last_step(conn, self.run_id) or 0
         released = self.store.release_runs(self.config.run.name)
         self.console.print(f"resumed run {self.summary.run!r} from {origin}; replayed "
                            f"{max(0, committed - first + 1)} committed steps from the ledger; "
@@ -232,15 +231,13 @@ class TrainerWorker:
         rows, batch = feed.replay(step)
         self._learn(step, stage, rows, batch)
         self.summary.steps = step
-        if stage.explores and (step - stage.first_step + 1) % self.config.trainer.sync_interval == 0:
-            self._publish(step)
+        self._publish_if_due(stage, step)
 
     def _after(self, stage: Stage, step: int, metrics: dict) -> None:
         """A committed step's publication, evaluation, checkpoint and progress."""
         trainer, in_stage = self.config.trainer, step - stage.first_step + 1
         self.summary.steps = step
-        if stage.explores and in_stage % trainer.sync_interval == 0:
-            self._publish(step)
+        self._publish_if_due(stage, step)
         if not stage.data.tasks and in_stage % trainer.eval_interval == 0:
             self._record_accuracy(step)
         if step % trainer.checkpoint_interval == 0:
@@ -282,6 +279,12 @@ class TrainerWorker:
         return metrics
 
     # -- publishing, checkpoints, evaluation, progress ------------------------------------
+
+    def _publish_if_due(self, stage: Stage, step: int) -> None:
+        """Explorer stages publish every sync_interval of their steps."""
+        in_stage = step - stage.first_step + 1
+        if stage.explores and in_stage % self.config.trainer.sync_interval == 0:
+            self._publish(step)
 
     def _publish(self, step: int, first: bool = False) -> None:
         """Publish the weights as the next version (version 0 is the model folder's weights
