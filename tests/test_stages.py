@@ -196,3 +196,15 @@ def test_a_dpo_stage_takes_epochs_over_its_pairs_or_says_it_ran_out(tmp_path, db
     refused = start("train", str(write_config(tmp_path / "once.yaml", raw)), cwd=tmp_path)
     output, _ = refused.communicate(timeout=120)
     assert refused.returncode == 1 and "no preference pair of run ids" in output
+
+
+def test_a_hostile_where_in_a_stored_stage_is_one_line_naming_its_key(tmp_path, db_url):
+    model = build_tiny_model(tmp_path / "tiny", seed=10)
+    stages = [{"name": "best", "algorithm": "sft", "steps": 1,
+               "data": {"stored": {"status": ["ready"], "where": "true) OR (true"}}}]
+    config_path = staged_config(tmp_path, "hostile", db_url, model, stages)
+    refused = start("train", str(config_path), cwd=tmp_path)
+    output, _ = refused.communicate(timeout=120)
+    assert refused.returncode == 1
+    assert output.strip().splitlines()[-1].startswith("error: stages.best.data.stored.where: ")
+    assert query(db_url, "SELECT count(*) FROM train_steps WHERE step > 0") == [(0,)]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from reservoir.config import StoredData
 from reservoir.errors import ConfigError
 from reservoir.store.source import TRAINABLE_STATUSES, Source, select_rows
+from reservoir.store.usersql import UserSQLError
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,13 @@ def read_stored(url: str, run_ids: list[int], data: StoredData, *, stage: str, s
                 until: dict | None = None) -> StoredGroups:
     """The stage's groups; `until` maps a run id to the time after which its rows are not
     read (a branched run reads its parent's rows as they were at the branch step)."""
-    rows = select_rows(url, Source(run_ids=run_ids, statuses=data.status, where=data.where,
-                                   order_by=("group_id", "id")),
-                       who=f"stage {stage!r}", allowed=TRAINABLE_STATUSES)
+    try:
+        rows = select_rows(url, Source(run_ids=run_ids, statuses=data.status, where=data.where,
+                                       order_by=("group_id", "id")),
+                           who=f"stage {stage!r}", allowed=TRAINABLE_STATUSES)
+    except UserSQLError as exc:  # named by the stage's key, not a pipeline's
+        raise UserSQLError(f"stages.{stage}.data.stored."
+                           f"{str(exc).removeprefix('source.')}") from None
     groups: dict = {}
     for row in rows:
         if until and row["run_id"] in until and row["created_at"] > until[row["run_id"]]:
