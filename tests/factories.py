@@ -29,3 +29,20 @@ def fill(store: Store, run: str, n_groups: int, *, size: int = 4, version: int =
          start_seed: int = 0) -> None:
     store.write_groups([make_group(run, size=size, version=version, seed=start_seed + i)
                         for i in range(n_groups)])
+
+
+def rollouts(engine, store: Store, run: str, tasks, *, n: int, max_tokens: int,
+             version: int = 0, reward: str = "exact_match", workflow: str = "single_turn",
+             seed: int = 0, **options):
+    """Groups of `workflow` on the tasks with the engine, written to the store (seeded)."""
+    import torch
+
+    from reservoir.explorer.batcher import Batcher
+    from reservoir.explorer.policy import Sampling
+    from reservoir.explorer.workflow import explore, make_workflow
+
+    torch.manual_seed(seed)
+    with Batcher(engine) as batcher:
+        groups = explore(make_workflow(workflow, options), tasks, batcher,
+                         Sampling(n, 1.0, max_tokens), run=run, version=version, reward=reward)
+    return store.write_groups(groups)

@@ -6,8 +6,9 @@ import torch
 from sqlalchemy import text
 
 from reservoir.explorer.engine import TransformersEngine
-from reservoir.explorer.rewards import exact_match, format_reward
-from reservoir.explorer.workflow import Task, single_turn
+from reservoir.explorer.rewards import REWARDS, exact_match, format_reward, score
+from reservoir.explorer.workflow import Task
+from tests.factories import rollouts
 from reservoir.models import build_tiny_model, save_weights
 from reservoir.store import codec
 
@@ -15,6 +16,11 @@ from reservoir.store import codec
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     return TransformersEngine(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=0))
+
+
+@REWARDS.register("test_exact_match_and_format")
+def exact_match_and_format(response: str, answer: str):
+    return score(response, answer, [exact_match, format_reward(r"\w+")])[1]
 
 
 def forward_logprobs(engine, sample, temperature):
@@ -64,8 +70,8 @@ def test_single_turn_writes_one_group_per_task(engine, store):
                                  "RETURNING id"), {"r": run_id, "p": p, "a": a}).scalar()
                for p, a in (("Reverse: abc", "cba"), ("What is 1 + 1?", "2"))]
     tasks = [Task(ids[0], "Reverse: abc", "cba"), Task(ids[1], "What is 1 + 1?", "2")]
-    result = single_turn(engine, store, "r", tasks, n=4, policy_version=3, max_tokens=8,
-                         rewards=[exact_match, format_reward(r"\w+")], seed=0)
+    result = rollouts(engine, store, "r", tasks, n=4, version=3, max_tokens=8,
+                      reward="test_exact_match_and_format")
     assert (result.groups, result.rows) == (2, 8)
     with store.engine.connect() as conn:
         rows = conn.execute(text("SELECT task_id, policy_version, logprobs, response_len, "

@@ -20,10 +20,10 @@ from reservoir.store.schema import metadata
 
 CORE_TABLES = {"runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items",
                "pipeline_runs", "operator_events", "validations", "schedules", "reviews",
-               "preferences"}
+               "preferences", "episodes", "episode_calls", "review_actions"}
 VIEWS = {"experiences", "experience_tokens", "run_steps", "lineage", "runs", "pipeline_runs",
          "operator_events", "validations", "reviews", "tasks", "policy_versions", "schedules",
-         "preferences"}
+         "preferences", "episodes", "episode_calls", "review_actions"}
 
 
 @pytest.fixture

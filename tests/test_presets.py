@@ -10,8 +10,8 @@ import torch
 from sqlalchemy import text
 
 from reservoir.explorer.engine import TransformersEngine
-from reservoir.explorer.rewards import exact_match
-from reservoir.explorer.workflow import Task, single_turn
+from reservoir.explorer.workflow import Task
+from tests.factories import rollouts
 from reservoir.models import build_tiny_model
 from reservoir.trainer.batch import make_batch, token_logprobs
 from reservoir.trainer.critic import build_critic
@@ -27,8 +27,8 @@ def model_path(tmp_path_factory):
 def batch(model_path, store):
     engine = TransformersEngine(model_path)
     store.create_run("r", group_size=4)
-    single_turn(engine, store, "r", [Task(None, f"Say {c}", c) for c in "abc"], n=4,
-                policy_version=0, max_tokens=6, rewards=[exact_match], seed=0)
+    rollouts(engine, store, "r", [Task(None, f"Say {c}", c) for c in "abc"], n=4,
+             max_tokens=6)
     with store.engine.begin() as conn:  # a spread of rewards in two groups, none in the third
         conn.execute(text("UPDATE experiences SET reward = CASE WHEN group_row < 2 "
                           "THEN (id % 3)::float8 ELSE (id % 2)::float8 END"))

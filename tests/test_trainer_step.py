@@ -7,8 +7,8 @@ import torch
 from sqlalchemy import text
 
 from reservoir.explorer.engine import TransformersEngine
-from reservoir.explorer.rewards import exact_match
-from reservoir.explorer.workflow import Task, single_turn
+from reservoir.explorer.workflow import Task
+from tests.factories import rollouts
 from reservoir.models import build_tiny_model
 from reservoir.trainer.batch import make_batch, token_logprobs
 from reservoir.trainer.step import PRESETS, train_step
@@ -23,8 +23,7 @@ def engine(tmp_path_factory):
 def leased(engine, store):
     store.create_run("r", group_size=4)
     tasks = [Task(None, f"Say {c}", c) for c in "ab"]
-    single_turn(engine, store, "r", tasks, n=4, policy_version=0, max_tokens=6,
-                rewards=[exact_match], seed=0)
+    rollouts(engine, store, "r", tasks, n=4, max_tokens=6)
     with store.engine.begin() as conn:  # give each group a spread of rewards to learn from
         conn.execute(text("UPDATE experiences SET reward = (id % 2)::float8"))
     lease = store.lease("r", groups=2)

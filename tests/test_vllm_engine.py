@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm")
 
 from reservoir.errors import ConfigError  # noqa: E402
-from reservoir.explorer.engine import chat_prompt  # noqa: E402
+from reservoir.explorer.engine import chat_ids  # noqa: E402
 from reservoir.explorer.vllm_engine import VLLMEngine  # noqa: E402
 from reservoir.models import (build_tiny_model, load_model, load_weights,  # noqa: E402
                               save_weights)
@@ -73,7 +73,7 @@ def test_samples_have_the_shapes_of_the_transformers_engine(engine):
     groups = engine.sample(PROMPTS, 4, temperature=1.0, max_tokens=10, seed=2)
     assert [len(group) for group in groups] == [4, 4]
     for prompt, group in zip(PROMPTS, groups):
-        expected = engine.tokenizer(chat_prompt(engine.tokenizer, prompt))["input_ids"]
+        expected = chat_ids(engine.tokenizer, prompt)
         for sample in group:
             assert sample.prompt_ids.tolist() == expected and sample.prompt_ids.dtype == np.int32
             assert sample.response_ids.dtype == np.int32 and sample.logprobs.dtype == np.float32

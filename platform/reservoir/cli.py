@@ -183,6 +183,28 @@ def train_command(config: Path = typer.Argument(..., help="Run config YAML."),
     _end_run(pool.train(_branched(_config(config), source), resume=resume, console=console))
 
 
+@app.command("serve")
+def serve_command(config: Path = typer.Argument(..., help="Run config YAML with a serve: section."),
+                  host: Optional[str] = typer.Option(None, help="Address to bind (default: "
+                                                     "serve.host, 127.0.0.1)."),
+                  port: Optional[int] = typer.Option(None, min=1, max=65_535,
+                                                     help="Port (default: serve.port).")) -> None:
+    """An OpenAI-compatible endpoint on the run's latest policy: every call is recorded, and an
+    episode whose reward is reported (POST /v1/feedback) becomes training data."""
+    from reservoir import pool
+    from reservoir.config import parse_config
+
+    loaded = _config(config)
+    if loaded.serve is None:
+        raise ReservoirError(f"{config}: serve: the config has no serve section; add `serve: "
+                             "{}` (a served run's groups are episodes of any size)")
+    if host is not None or port is not None:
+        raw = loaded.model_dump(mode="json")
+        raw["serve"].update({k: v for k, v in (("host", host), ("port", port)) if v is not None})
+        loaded = parse_config(raw, source="--host/--port")
+    pool.serve(loaded, console=console)
+
+
 @app.command("report")
 def report_command(run: str = typer.Argument(..., help="Run name."),
                    out: Path = typer.Option(Path("report"), "--out", "-o", help="Folder."),

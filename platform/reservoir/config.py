@@ -7,6 +7,7 @@ Every default lives here, once.
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 import os
 import re
@@ -57,6 +58,12 @@ def _branch(value: str | None) -> str | None:
     return value
 
 
+def _env_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Z_][A-Z0-9_]{0,99}", value):
+        raise ValueError("an environment variable name: capitals, digits and '_'")
+    return value
+
+
 def _device(value: str) -> str:
     if not _DEVICE.fullmatch(value):
         raise ValueError("a device is auto, cpu, cuda or cuda:N (auto: cuda when available)")
@@ -82,6 +89,36 @@ def number(default: float, *, gt: float | None = None, ge: float | None = None,
 
 
 DAY = 86_400.0
+
+
+PIECES = "reservoir.trainer.algorithms"  # imported only when a config names a piece (torch)
+
+
+def _registered(module: str, registry: str):
+    """A validator: the value (unless None) names an entry of `module`'s `registry` (entry
+    points of installed packages included), imported only when such a value is checked."""
+    def check(value: str | None) -> str | None:
+        found = getattr(importlib.import_module(module), registry)
+        if value is not None and value not in found.names():
+            close = difflib.get_close_matches(value, found.names(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown {found.kind} {value!r}; {hint}valid: "
+                             f"{', '.join(found.names())}")
+        return value
+    return AfterValidator(check)
+
+
+def _option(value):
+    """A workflow option: text, a finite number, true/false, or a list or mapping of them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    if isinstance(value, (list, tuple)):
+        return [_option(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _option(item) for key, item in value.items()}
+    if value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ValueError("an option is text, a number, true/false, or a list or mapping")
+    return value
 
 
 class Section(BaseModel):
@@ -153,20 +190,41 @@ class ModelConfig(Section):
     path: Path = Path("models/tiny")
 
 
+def _generator(value: str | None) -> str | None:
+    from reservoir.explorer.tasks import GENERATORS  # no torch: the config stays light
+    if value is not None and value not in GENERATORS:
+        raise ValueError(f"unknown task generator {value!r}; valid: {', '.join(GENERATORS)}")
+    return value
+
+
 class TasksConfig(Section):
-    """Where tasks come from: a file, or a generator for the CPU examples."""
+    """Where tasks come from: a file, or a generator for the CPU examples (neither: a served
+    run, whose agents bring their own)."""
 
     file: Path | None = None
-    generate: Literal["addition", "reverse", "sort"] | None = "reverse"
+    generate: Annotated[str | None, AfterValidator(_generator)] = Field(
+        default="reverse", description="addition, reverse, sort, calculator or guess_number")
     count: Count = count(2000, 1, 10_000_000)
     test_fraction: Number = number(0.1, ge=0.0, lt=1.0)
 
-    @model_validator(mode="after")
-    def _a_source(self) -> TasksConfig:
-        if self.file is None and self.generate is None:
-            raise ValueError("tasks need a source: set tasks.file (JSONL, Parquet or CSV) or "
-                             "tasks.generate (addition, reverse, sort)")
-        return self
+    @property
+    def any(self) -> bool:
+        return self.file is not None or self.generate is not None
+
+
+class ServeConfig(Section):
+    """`reservoir serve`: an OpenAI-compatible endpoint on the run's latest policy. Every call
+    is recorded; an episode's calls become one group when its reward is reported. The bearer
+    token is read from the environment variable `token_env` (a secret stays out of configs)."""
+
+    host: str = Field(default="127.0.0.1", description="address to bind; anything but a "
+                      "loopback address needs the token")
+    port: Count = count(8000, 1, 65_535)
+    model_name: RunName | None = Field(default=None, description="the model id clients "
+                                       "name; unset: the run's name")
+    token_env: Annotated[str, AfterValidator(_env_name)] = "RESERVOIR_SERVE_TOKEN"
+    max_tokens: Count = count(256, 1, 1_000_000, "a call's max_tokens when it gives none")
+    max_n: Count = count(16, 1, 1024, "most choices one call may ask for")
 
 
 class ExplorerConfig(Section):
@@ -174,7 +232,14 @@ class ExplorerConfig(Section):
     temperature: Number = number(1.0, gt=0, le=100)
     max_tokens: Count = count(16, 1, 1_000_000)
     batch_tasks: Count = count(8, 1, 100_000, "tasks a worker claims and samples in one batch")
-    reward: Literal["exact_match", "last_number", "boxed"] = "exact_match"
+    reward: Annotated[str, _registered("reservoir.explorer.rewards", "REWARDS")] = Field(
+        default="exact_match", description="the reward function (a task file's `reward` "
+        "column overrides it per task): built in or registered by a package")
+    workflow: Annotated[str, _registered("reservoir.explorer.workflow", "WORKFLOWS")] = Field(
+        default="single_turn", description="how a task becomes a group: single_turn, "
+        "calculator, guess_number, or one a package registers")
+    workflow_options: dict[str, Annotated[object, BeforeValidator(_option)]] = Field(
+        default_factory=dict, description="keyword options of the workflow (e.g. max_calls)")
     workers: Count = count(1, 1, 1024, "explorer workers (Ray actors)")
     claim_seconds: Number = number(300.0, gt=0, le=7 * DAY,
                                    description="a dead worker's tasks are claimed again after this")
@@ -199,20 +264,6 @@ def _preset(value: str) -> str:
     return value
 
 
-def _piece(registry: str):
-    """A validator: the value names an entry of trainer.algorithms' `registry` (imported only
-    when a config names a piece, so configs that do not stay light)."""
-    def check(value: str | None) -> str | None:
-        if value is not None:
-            import reservoir.trainer.algorithms as pieces
-            names = getattr(pieces, registry).names()
-            if value not in names:
-                raise ValueError(f"unknown {getattr(pieces, registry).kind} {value!r}; valid: "
-                                 f"{', '.join(names)}")
-        return value
-    return AfterValidator(check)
-
-
 def _algorithm_mapping(value):
     return {"preset": value} if isinstance(value, str) else value
 
@@ -222,10 +273,10 @@ class AlgorithmConfig(Section):
     preset's values."""
 
     preset: Annotated[str, AfterValidator(_preset)] = "grpo"
-    advantage: Annotated[str | None, _piece("ADVANTAGES")] = None
-    policy_loss: Annotated[str | None, _piece("POLICY_LOSSES")] = None
-    preference_loss: Annotated[str | None, _piece("PREFERENCE_LOSSES")] = None
-    kl_estimator: Annotated[str | None, _piece("KL_ESTIMATORS")] = None
+    advantage: Annotated[str | None, _registered(PIECES, "ADVANTAGES")] = None
+    policy_loss: Annotated[str | None, _registered(PIECES, "POLICY_LOSSES")] = None
+    preference_loss: Annotated[str | None, _registered(PIECES, "PREFERENCE_LOSSES")] = None
+    kl_estimator: Annotated[str | None, _registered(PIECES, "KL_ESTIMATORS")] = None
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
     clip_low: Number | None = number(None, gt=0, le=1)
     clip_high: Number | None = number(None, gt=0, le=100)
@@ -398,6 +449,9 @@ class ReservoirConfig(Section):
         default=(), description="stages in order, each with its algorithm, steps, lr and data; "
         "unset: trainer.warmup_steps of sft on tasks, then trainer.steps of trainer.algorithm "
         "on the explorers' rollouts")
+    serve: ServeConfig | None = Field(
+        default=None, description="set (`serve: {}` for the defaults) when agents feed the run "
+        "through `reservoir serve`: its groups are episodes of any size")
     pipelines: tuple[Path, ...] = Field(
         default=(), description="stream pipelines a run starts: explorers then write raw rows, "
         "and only rows a pipeline passes become ready for the trainer")
@@ -418,6 +472,14 @@ class ReservoirConfig(Section):
         names = [stage.name for stage in self.stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names repeat: {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _tasks_unless_served(self) -> ReservoirConfig:
+        if not self.tasks.any and self.serve is None:
+            raise ValueError("tasks need a source: set tasks.file (JSONL, Parquet or CSV) or "
+                             "tasks.generate (addition, reverse, sort, calculator, "
+                             "guess_number); only a served run (serve:) may have none")
         return self
 
     @model_validator(mode="after")

@@ -41,3 +41,17 @@ class FlowControlTimeout(StoreError):
 
 class RankLost(ReservoirError):
     """A collective of the trainer pool failed: another rank ended or broke its connection."""
+
+
+class WorkflowError(ReservoirError):
+    """A workflow raised, or returned something that is not its task's group; the message
+    names the workflow and the task."""
+
+
+class EpisodeUnknown(StoreError):
+    """A reward was reported for an episode the run has no calls of."""
+
+
+class EpisodeClosed(StoreError):
+    """A served episode's reward was reported already (or is being reported): it takes no
+    more calls and no second reward."""

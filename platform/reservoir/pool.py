@@ -1,4 +1,5 @@
-"""Worker pools and the three ways to start a run: `run` (both sides), `explore`, `train`.
+"""Worker pools and the ways to start a run: `run` (both sides), `explore`, `train`, and
+`serve` (an OpenAI-compatible endpoint agents feed the run through).
 
 `reservoir run` starts a trainer and `explorer.workers` explorers as Ray actors (a local Ray by
 default, `run.ray_address` for a cluster) and shows the run live from the store. `explore` and
@@ -22,6 +23,7 @@ from reservoir.devices import gpus_wanted
 from reservoir.errors import ConfigError, ReservoirError
 from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
+from reservoir.explorer.workflow import make_workflow
 from reservoir.monitor import Monitor, live
 from reservoir.pipeline.stream import PipelineWorker, stream_spec
 from reservoir.prepare import absolute, branch_checkpoint, check_model, ensure_run
@@ -119,6 +121,30 @@ def train(config: ReservoirConfig, *, resume: bool = False,
         return _in_thread(trainer, monitor, console)
 
 
+def serve(config: ReservoirConfig, *, console: Console | None = None) -> None:
+    """`reservoir serve`: the OpenAI-compatible endpoint, until Ctrl-C."""
+    import uvicorn
+
+    from reservoir.explorer.serve import Server, create_app
+
+    console = console or Console()
+    config = _prepared(config)
+    with Store.open(config, migrate=True) as store:
+        ensure_run(store, config)
+    server = Server(config)
+    try:
+        host, port = config.serve.host, config.serve.port
+        shown = f"[{host}]" if ":" in host else host
+        console.print(f"serving run {config.run.name!r} as model {server.model!r} (policy "
+                      f"version {server.version}) at http://{shown}:{port}/v1"
+                      f"{' (bearer token required)' if server.token else ''}; Ctrl-C stops",
+                      markup=False, highlight=False, soft_wrap=True)
+        uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port,
+                                      log_level="warning", access_log=False)).run()
+    finally:
+        server.close()
+
+
 def _prepared(config: ReservoirConfig) -> ReservoirConfig:
     """Paths absolute, and every file the run will need checked before anything starts: the
     model folder, the task file, each stream pipeline."""
@@ -130,6 +156,7 @@ def _prepared(config: ReservoirConfig) -> ReservoirConfig:
         raise ConfigError(f"tasks.file: {config.tasks.file} is not a file")
     for index, path in enumerate(config.pipelines):
         stream_spec(path, index)
+    make_workflow(config.explorer.workflow, config.explorer.workflow_options)
     return config
 
 

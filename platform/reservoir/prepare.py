@@ -53,7 +53,7 @@ def task_rows(config: ReservoirConfig) -> list[dict]:
     if tasks.generate is not None:
         return GENERATORS[tasks.generate](tasks.count, seed=config.run.seed,
                                           test_fraction=tasks.test_fraction)
-    raise ConfigError("tasks: set tasks.file or tasks.generate")
+    return []  # a served run: its agents bring the tasks
 
 
 def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -> int:
@@ -68,7 +68,9 @@ def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -
             set_status(conn, run_id, "running")
         return run_id
     with store.engine.begin() as conn:
-        run_id = insert_run(conn, config.run.name, group_size=config.explorer.n,
+        served = config.serve is not None  # a served run's groups are episodes of any size
+        run_id = insert_run(conn, config.run.name,
+                            group_size=None if served else config.explorer.n,
                             model=str(config.model.path), config=config.model_dump(mode="json"))
         if run_id is None:  # it exists (another process may have created it a moment ago)
             return run_id_of(conn, config.run.name)

@@ -1,22 +1,26 @@
-"""Inference engines: batched sampling of n responses per prompt with per-token logprobs.
+"""Inference engines: batched generation with per-token logprobs.
 
-Every engine returns, per prompt, n `Sample`s holding the prompt and response token ids and the
-log-probability of each response token under the sampling distribution (logits / temperature),
-which is what a trainer's importance ratio compares against. Engines take new policy weights in
-place (`load_weights`), without being rebuilt; `make_engine` picks one from the config.
+An engine takes `Request`s (token ids to continue, n, temperature, max tokens) and returns, per
+request, n `Sample`s holding the prompt and response token ids and the log-probability of each
+response token under the sampling distribution (logits / temperature), which is what a
+trainer's importance ratio compares against. Requests of one call may differ in everything;
+the engine batches what it can. `sample` renders plain prompts as one user turn first. Engines
+take new policy weights in place (`load_weights`), without being rebuilt; `make_engine` picks
+one from the config.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-import importlib.util
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
+from reservoir.chat import prompt_ids
 from reservoir.devices import DTYPES, resolve_device
 from reservoir.errors import ConfigError
 from reservoir.models import load_model, load_weights
@@ -32,11 +36,38 @@ class Sample:
     finished: bool  # ended with the end-of-turn token (not cut by max_tokens)
 
 
+@dataclass(frozen=True)
+class Request:
+    """n continuations of one token sequence (a rendered chat prompt, or an episode so far);
+    temperature 0 decodes greedily (logprobs then of the unscaled distribution)."""
+
+    prompt_ids: Sequence[int]
+    n: int = 1
+    temperature: float = 1.0
+    max_tokens: int = 32
+
+
 class Engine(Protocol):
-    def sample(self, prompts: list[str], n: int, *, temperature: float, max_tokens: int,
-               seed: int | None = None) -> list[list[Sample]]: ...
+    tokenizer: object
+    context: int  # positions the model attends to, prompt and response together
+
+    def generate(self, requests: Sequence[Request], *, seed: int | None = None
+                 ) -> list[list[Sample]]: ...
+
+    def sample(self, prompts: list[str], n: int, *, temperature: float = 1.0,
+               max_tokens: int = 32, seed: int | None = None) -> list[list[Sample]]: ...
 
     def load_weights(self, path: Path) -> None: ...
+
+
+class Sampling:
+    """`sample`, for engines that `generate`: n samples for each prompt, sent as one user turn
+    through the chat template."""
+
+    def sample(self, prompts: list[str], n: int, *, temperature: float = 1.0,
+               max_tokens: int = 32, seed: int | None = None) -> list[list[Sample]]:
+        return self.generate([Request(chat_ids(self.tokenizer, prompt), n, temperature,
+                                      max_tokens) for prompt in prompts], seed=seed)
 
 
 def make_engine(config, seed: int | None = None) -> Engine:
@@ -58,17 +89,30 @@ def make_engine(config, seed: int | None = None) -> Engine:
 
     return VLLMEngine(config.model.path, device=str(device), dtype=config.trainer.dtype,
                       gpu_memory_utilization=explorer.gpu_memory_utilization,
-                      max_tokens=explorer.max_tokens,
                       seed=config.run.seed if seed is None else seed)
 
 
-def chat_prompt(tokenizer, prompt: str) -> str:
+def take_policy(engine: Engine, location: str | None, model_path: Path) -> bool:
+    """Load a published policy's weights in place, unless they are the model folder's own
+    (version 0 of a fresh run); whether anything was loaded."""
+    path = Path(location) if location else None
+    if path is None or not (path.is_file() or path.resolve() != Path(model_path).resolve()):
+        return False
+    engine.load_weights(path)
+    return True
+
+
+def context_length(config) -> int:
+    """Positions a model attends to: prompt and response together."""
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt as the model's chat template renders a user turn awaiting the assistant."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                         add_generation_prompt=True, tokenize=False)
+    return prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
-class TransformersEngine:
+class TransformersEngine(Sampling):
     """Hugging Face transformers `generate` on CPU or GPU, batched, with the KV cache."""
 
     def __init__(self, model_path: Path, *, device: str = "cpu", dtype=torch.float32,
@@ -86,7 +130,7 @@ class TransformersEngine:
     def _take(self, model, tokenizer, device: str, batch_size: int) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device, self.batch_size = device, batch_size
-        self.tokenizer.padding_side = "left"
+        self.context = context_length(model.config)
 
     def load_weights(self, path: Path) -> None:
         """Take new policy weights in place (the engine is not rebuilt): a safetensors file
@@ -98,49 +142,54 @@ class TransformersEngine:
             self.model.load_state_dict(load_model(path)[0].state_dict())
 
     @torch.no_grad()
-    def sample(self, prompts: list[str], n: int, *, temperature: float = 1.0,
-               max_tokens: int = 32, seed: int | None = None) -> list[list[Sample]]:
-        """n samples per prompt; temperature 0 decodes greedily."""
+    def generate(self, requests: Sequence[Request], *, seed: int | None = None
+                 ) -> list[list[Sample]]:
+        """Each request's n samples. Rows (a request's prompt n times) that share temperature
+        and max_tokens go through `generate` together, batch_size rows at a time."""
         if seed is not None:
             torch.manual_seed(seed)
-        texts = [chat_prompt(self.tokenizer, prompt) for prompt in prompts]
-        per_chunk = max(1, self.batch_size // n)
-        samples: list[list[Sample]] = []
-        for start in range(0, len(texts), per_chunk):
-            samples.extend(self._sample_chunk(texts[start:start + per_chunk], n,
-                                              temperature, max_tokens))
-        return samples
+        rows = defaultdict(list)  # (temperature, max_tokens) -> (request index, prompt ids)
+        for index, request in enumerate(requests):
+            rows[(request.temperature, request.max_tokens)].extend(
+                [(index, list(request.prompt_ids))] * request.n)
+        out: list[list[Sample]] = [[] for _ in requests]
+        for (temperature, max_tokens), chunk_rows in rows.items():
+            for start in range(0, len(chunk_rows), self.batch_size):
+                chunk = chunk_rows[start:start + self.batch_size]
+                samples = self._sample_chunk([ids for _, ids in chunk], temperature, max_tokens)
+                for (index, _), one in zip(chunk, samples):
+                    out[index].append(one)
+        return out
 
-    def _sample_chunk(self, texts, n, temperature, max_tokens) -> list[list[Sample]]:
-        batch = self.tokenizer(texts, return_tensors="pt", padding=True).to(self.device)
+    def _sample_chunk(self, prompts: list[list[int]], temperature: float,
+                      max_tokens: int) -> list[Sample]:
+        width = max(len(ids) for ids in prompts)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts],
+                                 device=self.device)
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts],
+                                 device=self.device)
         greedy = temperature == 0  # then logprobs are those of the unscaled distribution
         sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)
         out = self.model.generate(
-            **batch, do_sample=not greedy, **sampling,
-            max_new_tokens=max_tokens, num_return_sequences=n, return_dict_in_generate=True,
-            output_logits=True, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id)
-        width = batch["input_ids"].shape[1]
+            input_ids=input_ids, attention_mask=attention, do_sample=not greedy, **sampling,
+            max_new_tokens=max_tokens, return_dict_in_generate=True, output_logits=True,
+            pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id)
         generated = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, generated[..., None])[..., 0]
-        rows = self._samples(batch["input_ids"].repeat_interleave(n, dim=0),
-                             batch["attention_mask"].repeat_interleave(n, dim=0).bool(),
-                             generated, logprobs)
-        return [rows[i * n:(i + 1) * n] for i in range(len(texts))]
+        return self._samples(prompts, generated, logprobs)
 
-    def _samples(self, prompts, prompt_mask, generated, logprobs) -> list[Sample]:
+    def _samples(self, prompts: list[list[int]], generated, logprobs) -> list[Sample]:
         """Rows cut after their end-of-turn token; texts decoded in one batch call each."""
         is_eos = generated == self.tokenizer.eos_token_id
         finished = is_eos.any(dim=1)
         lengths = torch.where(finished, is_eos.int().argmax(dim=1) + 1, generated.shape[1])
-        prompts, generated = prompts.cpu().numpy(), generated.cpu().numpy()
-        logprobs = logprobs.cpu().numpy()
+        generated, logprobs = generated.cpu().numpy(), logprobs.cpu().numpy()
         responses = [generated[i, :length] for i, length in enumerate(lengths.tolist())]
         texts = decode(self.tokenizer, responses, skip_special_tokens=True)
         raw_texts = decode(self.tokenizer, responses, skip_special_tokens=False)
-        mask = prompt_mask.cpu().numpy()
-        return [Sample(prompt_ids=prompts[i][mask[i]].astype(np.int32),
+        return [Sample(prompt_ids=np.asarray(prompts[i], dtype=np.int32),
                        response_ids=response.astype(np.int32),
                        logprobs=logprobs[i, :len(response)].astype(np.float32),
                        text=texts[i], raw_text=raw_texts[i], finished=bool(finished[i]))

@@ -1,5 +1,8 @@
 """Reward functions: small pure functions of (response, answer) returning named components.
 
+Packages add their own under the entry-point group `reservoir.rewards` (see
+reservoir.registry); a task file's `reward` column names the one that scores each task.
+
 The reward stored with an experience is the sum of its components; the components are stored
 too (experiences.reward_components), so an analyst can see why a response scored what it did.
 """
@@ -13,7 +16,7 @@ from reservoir.registry import Registry
 
 Components = dict[str, float]
 RewardFunction = Callable[[str, str], Components]
-REWARDS: Registry = Registry("reward function")
+REWARDS: Registry = Registry("reward function", group="reservoir.rewards")
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

@@ -1,8 +1,11 @@
 """Tasks for explorers: read from JSONL / Parquet / CSV files, or generated for CPU examples.
 
 A task row has `prompt` (required, non-empty text), `answer` (the ground truth a reward
-function checks: text or a number), optional `split` (train or test), `source`, and any other
-columns, which go to its `payload` (JSON: finite numbers, text, lists, objects). Every cell is
+function checks: text or a number), optional `split` (train or test), `source`, `reward` (a
+registered reward function that scores this task instead of explorer.reward), `messages` (a
+demonstration: a conversation whose assistant turns sft on tasks trains on, instead of the
+answer alone), and any other columns; all but the first four go to its `payload` (JSON: finite
+numbers, text, lists, objects). Every cell is
 checked before anything is loaded: no NUL, no text without a UTF-8 form, no NaN or infinity,
 no key given twice; a bad one is named by file, row (or line) and column, in one line.
 """
@@ -15,7 +18,11 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
+from reservoir.chat import check_demonstration
 from reservoir.errors import ConfigError
+from reservoir.explorer.guess import guess_number_tasks
+from reservoir.explorer.rewards import REWARDS
+from reservoir.explorer.tools import calculator_tasks
 
 KNOWN = ("prompt", "answer", "split", "source")
 SPLITS = ("train", "test")
@@ -113,9 +120,21 @@ def _task_row(path: Path, number: int, record: dict[str, Any]) -> dict[str, Any]
     if split is not None and split not in SPLITS:
         raise ConfigError(f"{where}: column 'split' = {split!r}: a split is train or test; "
                           "no task was loaded")
+    _check_reward(where, values.get("reward"))
+    if values.get("messages") is not None:
+        try:
+            check_demonstration(values["messages"], f"{where}: column 'messages'")
+        except ValueError as exc:
+            raise ConfigError(f"{exc}; no task was loaded") from None
     payload = {k: v for k, v in values.items() if k not in KNOWN}
     return {"prompt": prompt, "answer": None if answer is None else str(answer),
             "split": split or "train", "source": str(source or path.name), "payload": payload}
+
+
+def _check_reward(where: str, name: Any) -> None:
+    if name is not None and (not isinstance(name, str) or name not in REWARDS.names()):
+        raise ConfigError(f"{where}: column 'reward' = {name!r}: not a reward function; valid: "
+                          f"{', '.join(REWARDS.names())}; no task was loaded")
 
 
 def _cell(where: str, column: str, value: Any) -> Any:
@@ -208,6 +227,7 @@ def sort_letters(n: int, *, seed: int = 0, min_length: int = 3, max_length: int 
 
 GENERATORS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "addition": addition, "reverse": reverse, "sort": sort_letters,
+    "calculator": calculator_tasks, "guess_number": guess_number_tasks,
 }
 
 

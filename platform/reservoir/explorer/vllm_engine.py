@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from reservoir.errors import ConfigError
-from reservoir.explorer.engine import Sample, chat_prompt, decode
+from reservoir.explorer.engine import Request, Sample, Sampling, context_length, decode
 
 MAX_SEQUENCES = 256  # requests vLLM's scheduler runs at once (its max_num_seqs)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -142,17 +143,17 @@ def kv_cache_bytes(config, dtype: str, share: float, sequences: int) -> int:
     return min(sequences * config.max_position_embeddings * per_token, int(share * memory))
 
 
-class VLLMEngine:
+class VLLMEngine(Sampling):
     """vLLM's offline `LLM`, one per explorer, kept for the whole run."""
 
     def __init__(self, model_path: Path, *, device: str = "cpu", dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.5, max_tokens: int = 32, seed: int = 0):
+                 gpu_memory_utilization: float = 0.5, seed: int = 0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        self.model_path, self.max_tokens = Path(model_path), max_tokens
+        self.model_path = Path(model_path)
         on_cpu = current_platform.device_type == "cpu"
         if device.split(":")[0] != current_platform.device_type:
             raise ConfigError(f"explorer.device: {device}, but the installed vLLM runs on "
@@ -163,6 +164,7 @@ class VLLMEngine:
                               "choose it with CUDA_VISIBLE_DEVICES and use cuda")
         self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self.context = context_length(self.config)
         self._expected = tensor_names(weight_files(self.model_path))
         options = {}
         if on_cpu:
@@ -201,32 +203,35 @@ class VLLMEngine:
         """The processes holding the model (one per worker): they stay across weight updates."""
         return self.llm.collective_rpc("reservoir_pid")
 
-    def sample(self, prompts: list[str], n: int, *, temperature: float = 1.0,
-               max_tokens: int | None = None, seed: int | None = None) -> list[list[Sample]]:
-        """n samples per prompt; temperature 0 decodes greedily (logprobs then unscaled)."""
+    def generate(self, requests: Sequence[Request], *, seed: int | None = None
+                 ) -> list[list[Sample]]:
+        """Each request's n samples, all requests in one `LLM.generate` call."""
         from vllm import SamplingParams, TokensPrompt
 
         eos = self.tokenizer.eos_token_id
-        copies = n if temperature == 0 else 1  # vLLM decodes greedily once per prompt (n = 1)
-        prompt_ids = self.tokenizer([chat_prompt(self.tokenizer, p) for p in prompts])["input_ids"]
-        params = [SamplingParams(
-            n=n // copies, temperature=temperature, top_p=1.0, top_k=0,
-            max_tokens=max_tokens or self.max_tokens, stop_token_ids=[eos],
-            logprobs=0, flat_logprobs=True,  # the sampled token's alone, in one flat list
-            seed=None if seed is None else seed + index * n, detokenize=False)
-            for index in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
+        params, copies = [], []
+        for index, request in enumerate(requests):
+            # vLLM decodes greedily once per prompt (n = 1): the greedy answer is copied n times
+            copies.append(request.n if request.temperature == 0 else 1)
+            params.append(SamplingParams(
+                n=request.n // copies[-1], temperature=request.temperature, top_p=1.0, top_k=0,
+                max_tokens=request.max_tokens, stop_token_ids=[eos],
+                logprobs=0, flat_logprobs=True,  # the sampled token's alone, in one flat list
+                seed=None if seed is None else seed + index * request.n, detokenize=False))
+        prompts = [list(request.prompt_ids) for request in requests]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
                                     params, use_tqdm=False)
-        choices = [(np.asarray(ids, dtype=np.int32), choice)
-                   for ids, output in zip(prompt_ids, outputs)
-                   for choice in list(output.outputs) * copies]
-        responses = [list(choice.token_ids) for _, choice in choices]
+        choices = [(index, np.asarray(prompts[index], dtype=np.int32), choice)
+                   for index, output in enumerate(outputs)
+                   for choice in list(output.outputs) * copies[index]]
+        responses = [list(choice.token_ids) for _, _, choice in choices]
         texts = decode(self.tokenizer, responses, skip_special_tokens=True)
         raw_texts = decode(self.tokenizer, responses, skip_special_tokens=False)
-        samples = [Sample(prompt_ids=ids, response_ids=np.asarray(response, dtype=np.int32),
-                          logprobs=np.asarray(choice.logprobs.logprobs, dtype=np.float32),
-                          text=text, raw_text=raw,
-                          finished=bool(response) and response[-1] == eos)
-                   for (ids, choice), response, text, raw
-                   in zip(choices, responses, texts, raw_texts)]
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        out: list[list[Sample]] = [[] for _ in requests]
+        for (index, ids, choice), response, text, raw in zip(choices, responses, texts,
+                                                             raw_texts):
+            out[index].append(Sample(
+                prompt_ids=ids, response_ids=np.asarray(response, dtype=np.int32),
+                logprobs=np.asarray(choice.logprobs.logprobs, dtype=np.float32), text=text,
+                raw_text=raw, finished=bool(response) and response[-1] == eos))
+        return out

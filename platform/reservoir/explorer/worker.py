@@ -1,4 +1,5 @@
-"""An explorer worker: claim tasks, sample groups with the latest policy, write them, repeat.
+"""An explorer worker: claim tasks, run the workflow on them with the latest policy, write
+their groups, repeat.
 
 It runs in any process (a Ray actor of a pool, or plainly) and meets the trainer only in the
 store: it reads the latest policy version and loads its weights in place when it changes,
@@ -15,14 +16,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from reservoir.config import ReservoirConfig
-from reservoir.explorer.engine import Engine, make_engine
-from reservoir.explorer.rewards import REWARDS
-from reservoir.explorer.workflow import Task, single_turn
+from reservoir.explorer.engine import Engine, make_engine, take_policy
+from reservoir.explorer.batcher import Batcher
+from reservoir.explorer.policy import Sampling
+from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.store import Store
 from reservoir.store.notify import Listener
 from reservoir.store.pace import Pace, claim_budget
@@ -75,15 +76,17 @@ class ExplorerWorker:
         set_threads(self.config.torch_threads("explorer"))
         torch.manual_seed(self.seed)
         stats = ExplorerStats(self.name)
+        explorer = self.config.explorer
+        self.workflow = make_workflow(explorer.workflow, explorer.workflow_options)
         engine = make_engine(self.config, seed=self.seed)
         patience = Patience(self.config.store.outage_patience_s, say=print)
-        with Store.open(self.config, quiet=True) as store, \
+        with Store.open(self.config, quiet=True) as store, Batcher(engine) as batcher, \
                 Listener(store.engine, POLICY_CHANNEL) as listener:
             with store.engine.connect() as conn:
                 run_id = run_id_of(conn, self.config.run.name)
             try:
                 while not self._stop.is_set():
-                    outcome = patience(lambda: self._once(store, run_id, engine, stats),
+                    outcome = patience(lambda: self._once(store, run_id, batcher, stats),
                                        self.name, before_retry=lambda: self._release(store))
                     if outcome == "done":
                         break
@@ -103,7 +106,7 @@ class ExplorerWorker:
             if not (quietly and is_outage(exc)):
                 raise
 
-    def _once(self, store: Store, run_id: int, engine, stats: ExplorerStats) -> str:
+    def _once(self, store: Store, run_id: int, batcher: Batcher, stats: ExplorerStats) -> str:
         """One round: 'done' (the run ended), 'wait' (nothing to do yet) or 'explored'."""
         with store.engine.connect() as conn:
             status, policy = status_of(conn, run_id), latest_policy(conn, run_id)
@@ -112,21 +115,20 @@ class ExplorerWorker:
         if policy is None:
             return "wait"  # the trainer has not published version 0 yet
         if policy[0] != self.version:
-            self._load(engine, *policy, stats)
+            self._load(batcher.engine, *policy, stats)
         claimed = self._claim(store, run_id)
         if claimed is None:
             return "explored"  # a new version appeared meanwhile: load it first
         if not claimed:
             return "wait"
         explorer = self.config.explorer
-        single_turn(engine, store, self.config.run.name,
-                    [Task(task_id, prompt, answer or "") for task_id, prompt, answer in claimed],
-                    n=explorer.n, rewards=[REWARDS.get(explorer.reward)],
-                    policy_version=self.version, temperature=explorer.temperature,
-                    max_tokens=explorer.max_tokens,
-                    status="raw" if self.config.pipelines else "ready")
+        groups = explore(self.workflow, [Task.of(row) for row in claimed], batcher,
+                         Sampling(explorer.n, explorer.temperature, explorer.max_tokens),
+                         run=self.config.run.name, version=self.version,
+                         reward=explorer.reward)
+        store.write_groups(groups, status="raw" if self.config.pipelines else "ready")
         with store.engine.begin() as conn:
-            finish_claims(conn, self.token, [task_id for task_id, _, _ in claimed])
+            finish_claims(conn, self.token, [row[0] for row in claimed])
         stats.groups += len(claimed)
         return "explored"
 
@@ -151,11 +153,8 @@ class ExplorerWorker:
               stats: ExplorerStats) -> None:
         """Take a published policy's weights in place (the engine is not rebuilt); the seconds
         each update took go to the stats."""
-        path = Path(location) if location else None
-        if path is not None and (path.is_file()
-                                 or path.resolve() != Path(self.config.model.path).resolve()):
-            started = time.monotonic()
-            engine.load_weights(path)
+        started = time.monotonic()
+        if take_policy(engine, location, self.config.model.path):
             stats.update_seconds.append(time.monotonic() - started)
         self.version = version
         stats.versions_loaded += 1

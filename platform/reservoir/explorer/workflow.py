@@ -1,47 +1,132 @@
-"""Workflows: how a task becomes a group of experiences. Single-turn: prompt -> n samples ->
-rewards -> one group, written whole."""
+"""Workflows: how a task becomes a group of experiences.
+
+A workflow is a registered function `workflow(task, policy, **options) -> list[Experience]`
+(or a class whose instances, built once with the options, are called so): it receives one task
+and a `Policy` bound to the explorer's engine (reservoir.explorer.policy) and returns the task's
+group. `explorer.workflow` names it, `explorer.workflow_options` are its keyword options.
+
+Built in: `single_turn` (n samples of the prompt, scored by the reward function),
+`calculator` (the model calls a calculator tool; reservoir.explorer.tools) and `guess_number`
+(a multi-turn game with feedback each turn; reservoir.explorer.guess). Packages add their own
+under the entry-point group `reservoir.workflows`, as reward functions do under
+`reservoir.rewards`.
+
+`explore` runs a workflow over a batch of tasks: one thread per task (at most MAX_THREADS at
+a time), all generation batched through one `Batcher`, and checks that every group belongs to
+its run, task and version.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import functools
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
-from reservoir.explorer.engine import Engine, Sample
-from reservoir.explorer.rewards import RewardFunction, score
+from typing import TYPE_CHECKING
+
+from reservoir.errors import ConfigError, ReservoirError, WorkflowError
+from reservoir.explorer.rewards import REWARDS, RewardFunction
+from reservoir.registry import Registry
 from reservoir.store import Experience
-from reservoir.store.writer import WriteResult
+
+if TYPE_CHECKING:  # the runner's parts need torch; the registry and Task do not (the config
+    from reservoir.explorer.batcher import Batcher  # checks names against it)
+    from reservoir.explorer.policy import Policy, Sampling
+
+WORKFLOWS: Registry = Registry("workflow", group="reservoir.workflows")
+WORKFLOWS.register_lazy("calculator", "reservoir.explorer.tools:calculator")
+WORKFLOWS.register_lazy("guess_number", "reservoir.explorer.guess:guess_number")
+Workflow = Callable[..., list[Experience]]
+MAX_THREADS = 256  # tasks run side by side; more wait for the next round of threads
 
 
 @dataclass(frozen=True)
 class Task:
-    id: int
+    id: int | None
     prompt: str
-    answer: str
+    answer: str | None = None
+    payload: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, row) -> "Task":
+        """From a (id, prompt, answer, payload) row of the tasks table."""
+        task_id, prompt, answer, payload = row
+        return cls(task_id, prompt, answer, payload or {})
 
 
-def group_of(run: str, task: Task, samples: Sequence[Sample], rewards: list[RewardFunction],
-             policy_version: int) -> list[Experience]:
-    group = []
-    for sample in samples:
-        total, components = score(sample.text, task.answer, rewards)
-        group.append(Experience(
-            run=run, task_id=task.id, policy_version=policy_version, prompt_text=task.prompt,
-            response_text=sample.raw_text, prompt_ids=sample.prompt_ids,
-            response_ids=sample.response_ids, logprobs=sample.logprobs,
-            action_mask=[1] * len(sample.response_ids), reward=total,
-            reward_components=components,
-            metadata={"finished": sample.finished}))
+@WORKFLOWS.register("single_turn")
+def single_turn(task: Task, policy: "Policy") -> list[Experience]:
+    """n samples of the prompt, each scored by the task's reward function."""
+    return [policy.experience(task.prompt, sample, *policy.score(sample.text, task.answer))
+            for sample in policy.sample(task.prompt)]
+
+
+def make_workflow(name: str, options: dict[str, Any] | None = None) -> Workflow:
+    """The named workflow with its options bound; a bad option is a ConfigError naming it."""
+    found = WORKFLOWS.get(name)
+    options = dict(options or {})
+    try:
+        if inspect.isclass(found):
+            inspect.signature(found).bind(**options)
+            return found(**options)
+        inspect.signature(found).bind(None, None, **options)
+    except TypeError as exc:
+        raise ConfigError(f"explorer.workflow_options: workflow {name!r} does not take them: "
+                          f"{exc}") from None
+    return functools.partial(found, **options)
+
+
+def reward_of(task: Task, default: str) -> RewardFunction:
+    """The reward function a task names (its file's `reward` column), else the run's."""
+    return REWARDS.get(task.payload.get("reward") or default)
+
+
+def explore(workflow: Workflow, tasks: Sequence[Task], batcher: "Batcher",
+            sampling: "Sampling", *, run: str, version: int,
+            reward: str) -> list[list[Experience]]:
+    """Each task's group, the tasks run side by side (their generation batched)."""
+    from reservoir.explorer.policy import Policy
+
+    name = getattr(workflow, "func", workflow).__name__
+
+    def one(index: int, task: Task) -> list[Experience]:
+        try:
+            policy = Policy(batcher, sampling, reward_of(task, reward), run, task.id, version,
+                            order=(index,))
+            try:
+                group = workflow(task, policy)
+            except ReservoirError:
+                raise
+            except Exception as exc:
+                raise WorkflowError(f"workflow {name!r} failed on task {task.id}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            return _checked(name, group, task, policy)
+        finally:
+            batcher.leave()
+
+    groups: list[list[Experience]] = []
+    for start in range(0, len(tasks), MAX_THREADS):
+        chunk = tasks[start:start + MAX_THREADS]
+        batcher.join(len(chunk))  # all of them before any starts: the first batch waits
+        with ThreadPoolExecutor(len(chunk), thread_name_prefix="workflow") as pool:
+            futures = [pool.submit(one, start + i, task) for i, task in enumerate(chunk)]
+            groups.extend(future.result() for future in futures)
+    return groups
+
+
+def _checked(name: str, group, task: Task, policy: "Policy") -> list[Experience]:
+    """A workflow's group: a non-empty list of experiences of this run, task and version."""
+    if not isinstance(group, list) or not group or \
+            not all(isinstance(row, Experience) for row in group):
+        raise WorkflowError(f"workflow {name!r} returned {type(group).__name__} for task "
+                            f"{task.id}: a "
+                          "workflow returns a non-empty list of Experience rows (one group)")
+    for row in group:
+        if (row.run, row.task_id, row.policy_version) != (policy.run, task.id, policy.version):
+            raise WorkflowError(
+                f"workflow {name!r}: an experience of task {task.id} names run {row.run!r}, task "
+                f"{row.task_id}, version {row.policy_version}; build it with the policy's "
+                f"(run {policy.run!r}, task {task.id}, version {policy.version})")
     return group
-
-
-def single_turn(engine: Engine, store, run: str, tasks: Sequence[Task], *, n: int,
-                rewards: list[RewardFunction], policy_version: int, temperature: float = 1.0,
-                max_tokens: int = 32, seed: int | None = None,
-                status: str = "ready") -> WriteResult:
-    """Sample n responses per task, score them, and write one group per task (`raw` when
-    pipelines decide what becomes ready)."""
-    samples = engine.sample([task.prompt for task in tasks], n, temperature=temperature,
-                            max_tokens=max_tokens, seed=seed)
-    groups = [group_of(run, task, group, rewards, policy_version)
-              for task, group in zip(tasks, samples)]
-    return store.write_groups(groups, status=status)

@@ -307,3 +307,60 @@ batch_pairs = Table(
     PrimaryKeyConstraint("train_step_id", "preference_id", name="batch_pairs_pkey"),
     Index("batch_pairs_preference", "preference_id"),
 )
+
+EPISODE_STATUSES = ("open", "reported")
+REVIEW_ACTIONS = ("accept", "reject", "label", "prefer")
+
+episodes = Table(
+    "episodes",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("key", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default="open"),
+    Column("reward", Float),
+    Column("group_id", UUID(as_uuid=True)),
+    _now(),
+    Column("reported_at", DateTime(timezone=True)),
+    CheckConstraint(f"status IN {EPISODE_STATUSES}", name="episodes_status_valid"),
+    CheckConstraint("(status = 'reported') = (reported_at IS NOT NULL)",
+                    name="episodes_reported_iff_time"),
+    UniqueConstraint("run_id", "key", name="episodes_run_key"),
+)
+
+episode_calls = Table(
+    "episode_calls",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("episode_id", BigInteger, ForeignKey("episodes.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("call_id", Text, nullable=False),
+    Column("choice", SmallInteger, nullable=False),
+    Column("policy_version", Integer, nullable=False),
+    Column("temperature", Float, nullable=False),
+    Column("prompt_text", Text, nullable=False),
+    Column("response_text", Text, nullable=False),
+    Column("prompt_ids", LargeBinary, nullable=False),
+    Column("response_ids", LargeBinary, nullable=False),
+    Column("logprobs", LargeBinary, nullable=False),
+    Column("finish_reason", Text, nullable=False),
+    _now(),
+    CheckConstraint("choice >= 0", name="episode_calls_choice_valid"),
+    Index("episode_calls_episode", "episode_id", "id"),
+)
+
+review_actions = Table(
+    "review_actions",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("reviewer", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("review_id", BigInteger, ForeignKey("reviews.id", ondelete="SET NULL")),
+    Column("experience_id", BigInteger, ForeignKey("experiences.id", ondelete="SET NULL")),
+    Column("preference_id", BigInteger, ForeignKey("preferences.id", ondelete="SET NULL")),
+    Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    _now(),
+    CheckConstraint(f"action IN {REVIEW_ACTIONS}", name="review_actions_action_valid"),
+    Index("review_actions_reviewer", "reviewer", "created_at"),
+)

@@ -48,9 +48,10 @@ class AsyncStore:
 
     async def write_groups(self, groups: Sequence[Sequence[Experience]], *,
                            status: Literal["raw", "ready"] = "ready",
-                           on_invalid: Literal["raise", "skip"] = "raise") -> WriteResult:
+                           on_invalid: Literal["raise", "skip"] = "raise",
+                           before_copy=None) -> WriteResult:
         return await writer.write_groups(self.engine, groups, flow=self.flow, status=status,
-                                         on_invalid=on_invalid)
+                                         on_invalid=on_invalid, before_copy=before_copy)
 
     async def lease(self, run: str | Sequence[str], *, rows: int | None = None,
                     groups: int | None = None, min_policy_version: int | None = None,

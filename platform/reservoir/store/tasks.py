@@ -15,7 +15,7 @@ from sqlalchemy import Connection, func, insert, literal, or_, select, update
 
 from reservoir.store.schema import tasks
 
-Claimed = tuple[int, str, str | None]  # id, prompt, answer
+Claimed = tuple[int, str, str | None, dict]  # id, prompt, answer, payload
 
 
 def add_tasks(conn: Connection, run_id: int, rows: Iterable[dict[str, Any]]) -> list[int]:
@@ -57,8 +57,8 @@ def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, w
     stmt = (update(tasks).where(tasks.c.id == picked.c.id)
             .values(claim_token=token, claimed_by=worker,
                     claimed_until=func.now() + timedelta(seconds=seconds))
-            .returning(tasks.c.id, tasks.c.prompt, tasks.c.answer))
-    return sorted(tuple(row) for row in conn.execute(stmt))
+            .returning(tasks.c.id, tasks.c.prompt, tasks.c.answer, tasks.c.payload))
+    return sorted((tuple(row) for row in conn.execute(stmt)), key=lambda row: row[0])
 
 
 def finish_claims(conn: Connection, token: uuid.UUID, task_ids: list[int]) -> int:
@@ -77,7 +77,7 @@ def release_claims(conn: Connection, token: uuid.UUID) -> int:
 
 
 def split_tasks(conn: Connection, run_id: int, split: str) -> list[Claimed]:
-    stmt = (select(tasks.c.id, tasks.c.prompt, tasks.c.answer)
+    stmt = (select(tasks.c.id, tasks.c.prompt, tasks.c.answer, tasks.c.payload)
             .where(tasks.c.run_id == run_id, tasks.c.split == split).order_by(tasks.c.id))
     return [tuple(row) for row in conn.execute(stmt)]
 

@@ -16,12 +16,12 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Awaitable, Callable, Literal, Sequence
 
 import asyncpg
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from reservoir.config import SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
@@ -57,12 +57,15 @@ async def write_groups(
     flow: SamplerConfig,
     status: Literal["raw", "ready"] = "ready",
     on_invalid: Literal["raise", "skip"] = "raise",
+    before_copy: Callable[[AsyncConnection], Awaitable[None]] | None = None,
 ) -> WriteResult:
     """Write groups in one transaction. With on_invalid="skip", bad groups are returned, not raised.
 
     Every group is checked before anything is sent: structure row by row, values (token ranges,
     finite logprobs, 0/1 masks) in one pass over the whole batch. A bad group in "raise" mode
-    raises ExperienceInvalid and nothing is written.
+    raises ExperienceInvalid and nothing is written. `before_copy(conn)` runs in the same
+    transaction before the rows go in (what must commit with them); if it raises, nothing is
+    written.
     """
     if status not in WRITABLE:
         raise StoreError(f"status {status!r}: the writer writes raw or ready rows (the sampler, "
@@ -93,6 +96,8 @@ async def write_groups(
         async with engine.begin() as conn:
             for run_id, n in sorted(rows_per_run.items()):  # also opens the transaction COPY joins
                 await conn.execute(runs.add_inserted(run_id, n))
+            if before_copy is not None:
+                await before_copy(conn)
             raw = await conn.get_raw_connection()
             await raw.driver_connection.copy_records_to_table(
                 "experiences", columns=COPY_COLUMNS, records=records)

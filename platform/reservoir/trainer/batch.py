@@ -22,8 +22,9 @@ from reservoir.store import LeasedExperience
 @dataclass
 class TrainBatch:
     """Right-padded sequences (prompt + response). Position t of the per-token tensors holds
-    the token at t + 1: `mask` marks the response tokens that train, `old_logprobs` their
-    logprobs under the policy that sampled them."""
+    the token at t + 1: `mask` marks the response tokens that train (the model's own: an
+    episode's tool and environment tokens are 0), `old_logprobs` their logprobs under the
+    policy that sampled them (NaN where there is none)."""
 
     input_ids: torch.Tensor       # [B, L]
     attention_mask: torch.Tensor  # [B, L]
@@ -69,8 +70,9 @@ def make_batch(rows: Sequence[LeasedExperience], pad_id: int,
         attention[i, :prompt + response] = 1
         trains = np.ones(response) if row.action_mask is None else row.action_mask
         mask[i, prompt - 1:prompt - 1 + response] = torch.from_numpy(trains.astype(np.float32))
-        if row.logprobs is not None:
-            old[i, prompt - 1:prompt - 1 + response] = torch.from_numpy(row.logprobs.copy())
+        if row.logprobs is not None:  # the engine's logprobs where the model wrote the token
+            sampled = np.where(trains == 1, row.logprobs, np.nan).astype(np.float32)
+            old[i, prompt - 1:prompt - 1 + response] = torch.from_numpy(sampled)
     return TrainBatch(input_ids, attention, mask, old,
                       torch.tensor([r.train_reward for r in rows], dtype=torch.float32),
                       torch.tensor([groups[r.group_id] for r in rows])).to(device)

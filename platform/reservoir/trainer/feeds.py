@@ -2,8 +2,8 @@
 
 - explorers: whole groups leased from the run's ready rows (no staler than the mode allows);
   the commit consumes them.
-- tasks: (prompt, answer) pairs of the run's train tasks, drawn by step; the step is recorded
-  with no experiences.
+- tasks: the run's train tasks as conversations (a task's demonstration, or its prompt and
+  answer), drawn by step; the step is recorded with no experiences.
 - stored: earlier experiences (trainer/stored.py), read without a lease; the step's ledger
   rows point at them, whichever run wrote them.
 - preferences: chosen/rejected pairs leased from `preferences`; the commit consumes them and
@@ -28,7 +28,7 @@ from reservoir.store.runs import parent_of
 from reservoir.store.retry import Patience
 from reservoir.store.tasks import mark_explored, split_tasks
 from reservoir.trainer.batch import TrainBatch, make_batch
-from reservoir.trainer.sft import task_batch
+from reservoir.trainer.sft import conversation, task_batch
 from reservoir.trainer.stages import Stage
 from reservoir.trainer.stored import read_stored
 
@@ -56,11 +56,11 @@ class Draw:
     metrics: dict = field(default_factory=dict)
 
 
-def sft_tasks(conn, config: ReservoirConfig, run_id: int) -> list[tuple[int, str, str]]:
-    """(id, prompt, answer) of the first trainer.warmup_fraction of the run's train tasks."""
+def sft_tasks(conn, config: ReservoirConfig, run_id: int) -> list[tuple]:
+    """(id, prompt, answer, payload) of the first trainer.warmup_fraction of the run's train
+    tasks."""
     train = split_tasks(conn, run_id, "train")
-    return [(task_id, prompt, answer or "") for task_id, prompt, answer in
-            train[:max(1, int(len(train) * config.trainer.warmup_fraction))]]
+    return train[:max(1, int(len(train) * config.trainer.warmup_fraction))]
 
 
 class Feed:
@@ -178,11 +178,11 @@ class TaskFeed(Feed):
         """The tasks it trains on; explorers claim them last."""
         with self.context.store.engine.begin() as conn:
             seen = sft_tasks(conn, self.context.config, self.context.run_id)
-            mark_explored(conn, [task_id for task_id, _, _ in seen])
-        self.pairs = [(prompt, answer) for _, prompt, answer in seen]
+            mark_explored(conn, [task_id for task_id, *_ in seen])
+        self.conversations = [conversation(*row[1:]) for row in seen]
 
     def _task_batch(self, step: int) -> TrainBatch:
-        return task_batch(self.context.tokenizer, self.pairs, self.stage.batch,
+        return task_batch(self.context.tokenizer, self.conversations, self.stage.batch,
                           seed=self.context.config.run.seed, step=step).to(self.context.device)
 
     def draw(self, step: int) -> Draw:

@@ -1,4 +1,5 @@
-"""Batches of (prompt, answer) pairs in the chat format for sft on tasks (the warm-up).
+"""Batches of conversations in the chat format for sft on tasks (the warm-up): a task's
+demonstration (its `messages`), or its prompt answered with its answer.
 
 A freshly built tiny model writes noise, so every sampled group scores 0 and GRPO has no
 signal; a short sft stage on part of the train tasks gives it one.
@@ -11,39 +12,45 @@ from typing import Sequence
 
 import torch
 
+from reservoir.chat import Message, demonstration
 from reservoir.trainer.batch import TrainBatch
 from reservoir.trainer.presets import PRESETS
 from reservoir.trainer.step import train_step
 
 
-def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]) -> TrainBatch:
-    """Chat-formatted prompt + answer + end-of-turn; only the answer tokens train."""
-    rows = []
-    for prompt, answer in pairs:
-        context = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer(context)["input_ids"]
-        answer_ids = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((prompt_ids, answer_ids))
-    width = max(len(p) + len(a) for p, a in rows)
+def conversation(prompt: str, answer: str | None, payload: dict | None = None) -> list[Message]:
+    """What sft on a task trains on: the demonstration its `messages` hold, else its prompt
+    answered with its answer."""
+    if payload and payload.get("messages"):
+        return payload["messages"]
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer or ""}]
+
+
+def sft_batch(tokenizer, conversations: Sequence[Sequence[Message]]) -> TrainBatch:
+    """Chat-formatted conversations; only the assistant turns (each up to its end-of-turn
+    token) train."""
+    rows = [demonstration(tokenizer, messages) for messages in conversations]
+    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width - 1))
-    for i, (prompt_ids, answer_ids) in enumerate(rows):
-        ids[i, :len(prompt_ids) + len(answer_ids)] = torch.tensor(prompt_ids + answer_ids)
-        attention[i, :len(prompt_ids) + len(answer_ids)] = 1
-        mask[i, len(prompt_ids) - 1:len(prompt_ids) - 1 + len(answer_ids)] = 1
+    for i, row in enumerate(rows):
+        prompt, length = len(row.prompt_ids), len(row.prompt_ids) + len(row.response_ids)
+        ids[i, :length] = torch.tensor(row.prompt_ids + row.response_ids)
+        attention[i, :length] = 1
+        mask[i, prompt - 1:length - 1] = torch.tensor(row.mask, dtype=torch.float32)
     zeros = torch.zeros(len(rows))
     return TrainBatch(ids, attention, mask, torch.zeros_like(mask), zeros, zeros.long())
 
 
-def task_batch(tokenizer, pairs: Sequence[tuple[str, str]], size: int, *, seed: int,
+def task_batch(tokenizer, conversations: Sequence[Sequence[Message]], size: int, *, seed: int,
                step: int) -> TrainBatch:
-    """Step `step`'s batch of an sft stage on tasks: `size` (prompt, answer) pairs drawn
-    without replacement by a generator seeded from (seed, step), so any rank, and a resumed
-    trainer, draws the same batch for the same step."""
+    """Step `step`'s batch of an sft stage on tasks: `size` conversations drawn without
+    replacement by a generator seeded from (seed, step), so any rank, and a resumed trainer,
+    draws the same batch for the same step."""
     rng = random.Random(f"{seed}:{step}")
-    return sft_batch(tokenizer, rng.sample(list(pairs), min(size, len(pairs))))
+    return sft_batch(tokenizer, rng.sample(list(conversations),
+                                           min(size, len(conversations))))
 
 
 def supervised(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int,
@@ -51,10 +58,11 @@ def supervised(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int
     """`steps` AdamW steps of answer-token cross-entropy outside any run (benchmarks make start
     models with it; a run's sft stage draws the same batches through `task_batch`); returns
     each step's loss."""
+    conversations = [conversation(prompt, answer) for prompt, answer in pairs]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     model.train()
-    return [train_step(model, optimizer, task_batch(tokenizer, pairs, batch_size, seed=seed,
-                                                    step=step).to(device),
+    return [train_step(model, optimizer, task_batch(tokenizer, conversations, batch_size,
+                                                    seed=seed, step=step).to(device),
                        PRESETS["sft"], micro_batch=batch_size)["loss"]
             for step in range(1, steps + 1)]

@@ -1,0 +1,129 @@
+"""Generation requests from many threads, answered by one engine call at a time.
+
+Workflows run a thread per task (and more where a workflow runs its samples side by side),
+each blocking in `generate` while the engine works. The batcher's own thread waits until every
+registered participant is waiting, or `max_wait_s` has passed since the oldest request (a
+participant busy elsewhere, say on a slow tool), then sends every waiting request to the
+engine as one call, sorted by the callers' `order` keys: the batch's make-up and order, hence
+its samples under a seed, do not depend on thread timing. Callers that never registered (the
+HTTP server's requests) go with whatever is waiting when the engine is free.
+
+Only the batcher's thread touches the engine, so engines need not be thread-safe; `exclusive`
+holds it between batches (to load new weights) and sets the `tag` (the policy version) that
+`generate_tagged` reports with each batch's samples.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from reservoir.explorer.engine import Engine, Request, Sample
+
+
+@dataclass
+class _Job:
+    requests: Sequence[Request]
+    order: tuple
+    since: float = field(default_factory=time.monotonic)
+    result: Future = field(default_factory=Future)
+
+
+class Batcher:
+    def __init__(self, engine: Engine, *, max_wait_s: float = 0.5) -> None:
+        self.engine, self.max_wait_s = engine, max_wait_s
+        self._lock = threading.Condition()
+        self._jobs: list[_Job] = []
+        self._participants = 0
+        self._closed = False
+        self._engine_lock = threading.Lock()
+        self.tag = None
+        self._thread = threading.Thread(target=self._serve, name="batcher", daemon=True)
+        self._thread.start()
+
+    def join(self, n: int = 1) -> None:
+        """`n` more threads will call `generate`; each calls `leave` when it is done."""
+        with self._lock:
+            self._participants += n
+
+    def leave(self) -> None:
+        with self._lock:
+            self._participants -= 1
+            self._lock.notify_all()
+
+    @contextmanager
+    def away(self):
+        """The calling participant waits on something else (its own helpers) meanwhile."""
+        self.leave()
+        try:
+            yield
+        finally:
+            self.join()
+
+    def generate(self, requests: Sequence[Request], order: tuple = ()) -> list[list[Sample]]:
+        """Each request's samples, generated in the next batch; blocks until then."""
+        return self.generate_tagged(requests, order)[0]
+
+    def generate_tagged(self, requests: Sequence[Request], order: tuple = ()):
+        """(each request's samples, the tag the engine had when it generated them)."""
+        job = _Job(list(requests), order)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            self._jobs.append(job)
+            self._lock.notify_all()
+        return job.result.result()
+
+    @contextmanager
+    def exclusive(self):
+        """The engine to the caller alone, between two batches."""
+        with self._engine_lock:
+            yield self.engine
+
+    def close(self) -> None:
+        """Answer what is waiting, then stop the batcher's thread."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join()
+
+    def __enter__(self) -> "Batcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _take(self) -> list[_Job] | None:
+        """The next batch once it is due; None when closed with nothing left."""
+        with self._lock:
+            while True:
+                if self._jobs:
+                    waited = time.monotonic() - self._jobs[0].since
+                    if self._closed or len(self._jobs) >= self._participants \
+                            or waited >= self.max_wait_s:
+                        jobs, self._jobs = self._jobs, []
+                        return sorted(jobs, key=lambda job: job.order)
+                    self._lock.wait(self.max_wait_s - waited)
+                elif self._closed:
+                    return None
+                else:
+                    self._lock.wait()
+
+    def _serve(self) -> None:
+        while (jobs := self._take()) is not None:
+            requests = [request for job in jobs for request in job.requests]
+            try:
+                with self._engine_lock:
+                    tag, samples = self.tag, self.engine.generate(requests)
+            except BaseException as exc:  # every caller of this batch sees the engine's error
+                for job in jobs:
+                    job.result.set_exception(exc)
+                continue
+            start = 0
+            for job in jobs:
+                job.result.set_result((samples[start:start + len(job.requests)], tag))
+                start += len(job.requests)

@@ -1,0 +1,91 @@
+"""Guess the number: a multi-turn environment with feedback after every turn.
+
+The task's prompt asks for a number in [low, high]; each model turn is a guess, and the
+environment answers as the user: "higher", "lower", or "correct" (a turn without a number
+counts as a wrong guess: "a number, please"). The episode ends when the number is found or
+after `max_turns` guesses. Reward components: `accuracy` (1 when found) and `speed` (up to 0.5,
+less for every extra guess), so fewer guesses score more.
+
+Its tasks (`guess_number_tasks`, `tasks.generate: guess_number`) hold the secret in their
+payload, with a binary-search demonstration for sft on tasks.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+NUMBER = re.compile(r"-?\d{1,9}")
+
+
+def feedback(guess_text: str, secret: int) -> str:
+    """What the environment says to a guess.
+
+    >>> feedback("8", 11), feedback("I say 12", 11), feedback("11", 11), feedback("no", 11)
+    ('higher', 'lower', 'correct', 'a number, please')
+    """
+    found = NUMBER.search(guess_text)
+    if found is None:
+        return "a number, please"
+    guess = int(found.group())
+    return "correct" if guess == secret else "higher" if guess < secret else "lower"
+
+
+def guess_number(task, policy, max_turns: int = 6) -> list:
+    """n games of the task, stepped together, each until found or max_turns guesses."""
+    if not 1 <= max_turns <= 32:
+        raise ValueError(f"max_turns {max_turns}: use 1 to 32")
+    secret = int(task.payload["secret"])
+    episodes = [policy.episode(task.prompt) for _ in range(policy.n)]
+    solved = [False] * len(episodes)
+    live = list(range(len(episodes)))
+    while live:
+        texts = policy.reply([episodes[i] for i in live])
+        still = []
+        for i, text in zip(live, texts):
+            said = feedback(text, secret)
+            solved[i] = said == "correct" and not episodes[i].truncated
+            if not solved[i] and not episodes[i].truncated and episodes[i].turns < max_turns:
+                episodes[i].add("user", said)
+                still.append(i)
+        live = still
+    return [episode.experience(*_reward(found, episode.turns, max_turns),
+                               metadata={"secret": secret})
+            for episode, found in zip(episodes, solved)]
+
+
+def _reward(found: bool, turns: int, max_turns: int) -> tuple[float, dict[str, float]]:
+    speed = 0.5 * (max_turns - turns) / max(1, max_turns - 1) if found else 0.0
+    components = {"accuracy": float(found), "speed": speed}
+    return sum(components.values()), components
+
+
+def binary_search(secret: int, low: int, high: int) -> list[dict[str, str]]:
+    """The guesses and answers of a binary search for the secret, as messages."""
+    messages = []
+    while True:
+        guess = (low + high) // 2
+        said = feedback(str(guess), secret)
+        messages.append({"role": "assistant", "content": str(guess)})
+        if said == "correct":
+            return messages
+        messages.append({"role": "user", "content": said})
+        low, high = (guess + 1, high) if said == "higher" else (low, guess - 1)
+
+
+def guess_number_tasks(n: int, *, seed: int = 0, test_fraction: float = 0.1, low: int = 1,
+                       high: int = 16) -> list[dict[str, Any]]:
+    """'Guess my number from low to high' with the secret and a binary-search demonstration."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        secret = rng.randint(low, high)
+        prompt = f"Guess my number from {low} to {high}"
+        rows.append({"prompt": prompt, "answer": str(secret),
+                     "split": "test" if rng.random() < test_fraction else "train",
+                     "source": "guess_number",
+                     "payload": {"secret": secret, "messages": [
+                         {"role": "user", "content": prompt},
+                         *binary_search(secret, low, high)]}})
+    return rows

@@ -1,0 +1,221 @@
+"""`reservoir serve`: an OpenAI-compatible endpoint on the run's latest policy that records
+every call as experience.
+
+    POST /v1/chat/completions   sample with the policy; every response is recorded in its
+                                episode (X-Episode-Id header, else the `user` field, else the
+                                call's own id), with token ids, logprobs and policy version
+    GET  /v1/models             the one model served (serve.model_name, else the run's name)
+    POST /v1/feedback           {episode_id, reward | rewards}: the episode's responses become
+                                one group of experiences (raw or ready); before, none trains
+    GET  /health                the run and the policy version served
+
+Weights follow the trainer: a NOTIFY on the policy channel (or the poll) makes the server load
+the run's latest version in place, between two batches. Concurrent calls are batched (the
+explorer's `Batcher`). Bound to 127.0.0.1 unless serve.host says otherwise; any other address
+needs the bearer token in the environment variable serve.token_env, and once a token is set
+every request must carry it. Errors come as OpenAI's error objects with the status its clients
+expect (400, 401, 404, 409), and a refused call stores nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import threading
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from reservoir.chat import prompt_ids, render
+from reservoir.config import ReservoirConfig
+from reservoir.errors import (ConfigError, EpisodeClosed, EpisodeUnknown, ExperienceInvalid,
+                              FlowControlTimeout)
+from reservoir.explorer.batcher import Batcher
+from reservoir.explorer.engine import Request, make_engine, take_policy
+from reservoir.explorer.openai_api import (ApiError, ChatRequest, bad, completion,
+                                           completion_id, episode_of, finish_reason, parse_chat,
+                                           parse_feedback, stream)
+from reservoir.store import Store
+from reservoir.store.episodes import Call, closing, open_episode, record_calls, rewarded
+from reservoir.store.notify import Listener
+from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of
+
+RELOAD_POLL_S = 2.0  # look for a new policy this often even without a notification
+
+
+def token_for(config: ReservoirConfig) -> str | None:
+    """The bearer token from the environment; ConfigError when the address is not a loopback
+    one and there is none."""
+    serve = config.serve
+    token = os.environ.get(serve.token_env) or None
+    if token is None and not is_loopback(serve.host):
+        raise ConfigError(f"serve.host: {serve.host} is reachable from other machines; set a "
+                          f"bearer token in the environment variable {serve.token_env} first")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Server:
+    """The engine behind its batcher, the store, and the policy version being served."""
+
+    def __init__(self, config: ReservoirConfig) -> None:
+        if config.serve is None:
+            raise ConfigError("serve: the config has no serve section; add `serve: {}` (a "
+                              "served run's groups are episodes of any size)")
+        self.config, self.token = config, token_for(config)
+        self.model = config.serve.model_name or config.run.name
+        self.store = Store.open(config, quiet=True)
+        with self.store.engine.connect() as conn:
+            self.run_id = run_id_of(conn, config.run.name)
+        self.batcher = Batcher(make_engine(config, seed=config.run.seed))
+        self.batcher.tag = 0  # the model folder's weights, until the trainer publishes
+        self.reload()
+        self._stop = threading.Event()
+        self._follower = threading.Thread(target=self._follow, name="policy", daemon=True)
+        self._follower.start()
+
+    @property
+    def version(self) -> int:
+        return self.batcher.tag
+
+    def reload(self) -> None:
+        """Take the run's latest published policy if it is newer than the one served."""
+        with self.store.engine.connect() as conn:
+            latest = latest_policy(conn, self.run_id)
+        if latest is not None and latest[0] != self.batcher.tag:
+            with self.batcher.exclusive() as engine:
+                take_policy(engine, latest[1], self.config.model.path)
+                self.batcher.tag = latest[0]
+
+    def _follow(self) -> None:
+        with Listener(self.store.engine, POLICY_CHANNEL) as listener:
+            while not self._stop.is_set():
+                listener.wait(RELOAD_POLL_S)
+                self.reload()
+
+    def check_token(self, header: str | None) -> None:
+        if self.token is None:
+            return
+        given = (header or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.token.encode()):
+            raise ApiError(401, "Incorrect API key provided: pass the server's bearer token "
+                                "(Authorization: Bearer ...)", code="invalid_api_key")
+
+    def chat(self, body, episode_header: str | None) -> tuple[dict, str, ChatRequest]:
+        """(the completion, its episode, the request); the responses are recorded."""
+        explorer, serve = self.config.explorer, self.config.serve
+        request = parse_chat(body, model=self.model, temperature=explorer.temperature,
+                             max_n=serve.max_n)
+        episode = episode_of(episode_header, request)
+        tokenizer = self.batcher.engine.tokenizer
+        try:
+            ids = prompt_ids(tokenizer, request.messages, tools=request.tools)
+        except Exception as exc:  # the model's template refuses this conversation
+            raise bad("messages", f"the model's chat template cannot render them: {exc}")
+        room = self.batcher.engine.context - len(ids)
+        max_tokens = request.max_tokens or min(serve.max_tokens, room)
+        if room < 1 or max_tokens > room:
+            raise bad("messages", f"{len(ids)} prompt tokens and max_tokens {max_tokens} exceed "
+                                  f"the model's context of {self.batcher.engine.context}",
+                      code="context_length_exceeded")
+        (samples,), version = self.batcher.generate_tagged(
+            [Request(ids, request.n, request.temperature, max_tokens)])
+        call_id = completion_id()
+        episode = episode or call_id
+        prompt = render(tokenizer, request.messages, generation_prompt=True, tools=request.tools)
+        calls = [Call(call_id, index, version, request.temperature, prompt, sample.raw_text,
+                      sample.prompt_ids, sample.response_ids, sample.logprobs,
+                      finish_reason(sample)) for index, sample in enumerate(samples)]
+        with self.store.engine.begin() as conn:
+            record_calls(conn, self.run_id, episode, calls)
+        return completion(call_id, self.model, version, request, tokenizer, samples), episode, \
+            request
+
+    def feedback(self, body) -> dict:
+        """The episode's responses, rewarded, written as one group; it takes no more calls."""
+        given = parse_feedback(body)
+        with self.store.engine.connect() as conn:
+            episode = open_episode(conn, self.config.run.name, self.run_id, given.episode)
+        n = len(episode.group)
+        rewards = given.rewards or [given.reward] * n
+        if len(rewards) != n:
+            raise bad("rewards", f"episode {given.episode!r} has {n} responses; got "
+                                 f"{len(rewards)} rewards")
+        components = [given.components or {"reward": reward} for reward in rewards]
+        status = "raw" if self.config.pipelines else "ready"
+        written = self.store.write_groups([rewarded(episode, rewards, components)], status=status,
+                                          before_copy=closing(episode, given.reward))
+        return {"episode_id": given.episode, "responses": written.rows, "status": status,
+                "group_id": str(written.group_ids[0]), "policy_version":
+                episode.group[0].policy_version}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._follower.join(RELOAD_POLL_S + 5)
+        self.batcher.close()
+        self.store.close()
+
+
+STATUS = {EpisodeUnknown: 404, EpisodeClosed: 409, ExperienceInvalid: 400,
+          FlowControlTimeout: 429}
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="Reservoir", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    for kind, status in STATUS.items():
+        app.add_exception_handler(kind, lambda request, exc, status=status: JSONResponse(
+            ApiError(status, str(exc)).body(), status_code=status))
+
+    def authorised(request: HttpRequest) -> None:
+        server.check_token(request.headers.get("authorization"))
+
+    async def body_of(request: HttpRequest):
+        try:
+            return await request.json()
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+
+    @app.get("/v1/models")
+    def models(request: HttpRequest) -> dict:
+        authorised(request)
+        return {"object": "list", "data": [{"id": server.model, "object": "model", "created": 0,
+                                            "owned_by": "reservoir"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HttpRequest):
+        authorised(request)
+        body = await body_of(request)
+        response, episode, asked = await run_in_threadpool(
+            server.chat, body, request.headers.get("x-episode-id"))
+        headers = {"X-Episode-Id": episode, "X-Reservoir-Policy-Version":
+                   response["system_fingerprint"].removeprefix("reservoir-v")}
+        if asked.stream:
+            return StreamingResponse(stream(response, asked.usage_in_stream),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(response, headers=headers)
+
+    @app.post("/v1/feedback")
+    async def feedback(request: HttpRequest) -> dict:
+        authorised(request)
+        return await run_in_threadpool(server.feedback, await body_of(request))
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"run": server.config.run.name, "model": server.model,
+                "policy_version": server.version}
+
+    return app
+

@@ -1,0 +1,129 @@
+"""Queries on served episodes: the calls an agent makes through `reservoir serve`, kept until
+its reward comes, then written as one group of experiences.
+
+An episode is named by the client (unique within the run) and is `open` while calls come in:
+every response of every call is an `episode_calls` row (prompt and response ids, logprobs, the
+policy version and temperature that made it). `report` writes the episode's responses as one
+group (raw or ready, through the writer: the same checks and counters as an explorer's) and, in
+the same transaction, marks the episode `reported` and deletes its calls; a call that slipped
+in meanwhile makes the report fail whole (EpisodeClosed: report again). An episode that never
+gets a reward never trains.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from reservoir.errors import EpisodeClosed, EpisodeUnknown, StoreError
+from reservoir.store import codec
+from reservoir.store.records import Experience
+from reservoir.store.schema import episode_calls, episodes
+
+
+@dataclass(frozen=True)
+class Call:
+    """One response of one chat completion."""
+
+    call_id: str
+    choice: int
+    policy_version: int
+    temperature: float
+    prompt_text: str
+    response_text: str
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+
+
+def record_calls(conn: Connection, run_id: int, key: str, calls: Sequence[Call]) -> int:
+    """Add a call's responses to the episode (opened by its first call); returns the episode's
+    id. EpisodeClosed if its reward was reported already."""
+    conn.execute(pg_insert(episodes).values(run_id=run_id, key=key)
+                 .on_conflict_do_nothing(constraint="episodes_run_key"))
+    episode_id, status = conn.execute(
+        select(episodes.c.id, episodes.c.status)
+        .where(episodes.c.run_id == run_id, episodes.c.key == key).with_for_update()).one()
+    if status != "open":
+        raise EpisodeClosed(f"episode {key!r} was reported already: it takes no more calls "
+                            "(start a new episode id)")
+    conn.execute(episode_calls.insert(), [{
+        "episode_id": episode_id, "call_id": call.call_id, "choice": call.choice,
+        "policy_version": call.policy_version, "temperature": call.temperature,
+        "prompt_text": call.prompt_text, "response_text": call.response_text,
+        "prompt_ids": codec.encode(call.prompt_ids, codec.TOKEN),
+        "response_ids": codec.encode(call.response_ids, codec.TOKEN),
+        "logprobs": codec.encode(call.logprobs, codec.LOGPROB),
+        "finish_reason": call.finish_reason} for call in calls])
+    return episode_id
+
+
+@dataclass(frozen=True)
+class OpenEpisode:
+    id: int
+    key: str
+    call_ids: list[int]      # episode_calls ids, in the order the responses were made
+    group: list[Experience]  # the responses as experiences (rewards filled in by `rewarded`)
+
+
+def open_episode(conn: Connection, run: str, run_id: int, key: str) -> OpenEpisode:
+    """The episode's recorded responses as a group of the run (one group id; the version of
+    its oldest response, each row's own in metadata). EpisodeUnknown / EpisodeClosed."""
+    found = conn.execute(select(episodes.c.id, episodes.c.status).where(
+        episodes.c.run_id == run_id, episodes.c.key == key)).one_or_none()
+    if found is None:
+        raise EpisodeUnknown(f"episode {key!r}: run {run!r} has no calls of it")
+    if found.status != "open":
+        raise EpisodeClosed(f"episode {key!r}: its reward was reported already")
+    rows = conn.execute(select(episode_calls).where(episode_calls.c.episode_id == found.id)
+                        .order_by(episode_calls.c.id)).all()
+    version = min(row.policy_version for row in rows)
+    group_id = uuid.uuid4()
+    group = [Experience(
+        run=run, prompt_text=row.prompt_text, response_text=row.response_text,
+        prompt_ids=codec.decode(row.prompt_ids, codec.TOKEN),
+        response_ids=codec.decode(row.response_ids, codec.TOKEN), reward=0.0,
+        policy_version=version, group_id=group_id,
+        logprobs=codec.decode(row.logprobs, codec.LOGPROB),
+        action_mask=np.ones(len(row.response_ids) // 4, np.uint8),
+        metadata={"episode": key, "call": row.call_id, "choice": row.choice,
+                  "policy_version": row.policy_version, "temperature": row.temperature,
+                  "finish_reason": row.finish_reason}) for row in rows]
+    return OpenEpisode(found.id, key, [row.id for row in rows], group)
+
+
+def rewarded(episode: OpenEpisode, rewards: Sequence[float],
+             components: Sequence[dict[str, float]]) -> list[Experience]:
+    """The group with each response's reward and components."""
+    if len(rewards) != len(episode.group) or len(components) != len(episode.group):
+        raise StoreError(f"episode {episode.key!r} has {len(episode.group)} responses; got "
+                         f"{len(rewards)} rewards")
+    for row, reward, parts in zip(episode.group, rewards, components):
+        row.reward, row.reward_components = reward, dict(parts)
+    return episode.group
+
+
+def closing(episode: OpenEpisode, reward: float | None):
+    """What the writer runs in the group's transaction: the episode becomes reported (it must
+    still be open) and its calls go, exactly those read (none arrived since)."""
+    async def close(conn: AsyncConnection) -> None:
+        closed = (await conn.execute(
+            update(episodes).where(episodes.c.id == episode.id, episodes.c.status == "open")
+            .values(status="reported", reward=reward, reported_at=func.now(),
+                    group_id=episode.group[0].group_id).returning(episodes.c.id))).scalar()
+        if closed is None:
+            raise EpisodeClosed(f"episode {episode.key!r}: its reward was reported already")
+        deleted = (await conn.execute(delete(episode_calls)
+                                      .where(episode_calls.c.episode_id == episode.id)
+                                      .returning(episode_calls.c.id))).scalars().all()
+        if sorted(deleted) != episode.call_ids:
+            raise EpisodeClosed(f"episode {episode.key!r}: a call arrived while its reward was "
+                                "reported; nothing was written, report it again")
+    return close

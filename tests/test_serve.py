@@ -1,0 +1,192 @@
+"""`reservoir serve` as a real process, driven by the official `openai` client: chat
+completions are recorded per episode, a reported reward turns an episode into one group of
+experiences (ids, logprobs, mask, reward) that a trainer consumes, the server then serves the
+trainer's new version, and bad requests get the errors OpenAI clients expect with nothing
+stored."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from reservoir import pool
+from reservoir.agent import report_reward
+from reservoir.config import load_config
+from reservoir.errors import ReservoirError
+from reservoir.models import build_tiny_model
+from reservoir.store import codec
+from tests.test_recovery import query, start, wait_for, write_config
+
+USER = [{"role": "user", "content": "Reverse: abc"}]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def served(tmp_path, db_url):
+    """A config for a served run, and a function starting `reservoir serve` on it."""
+    port = free_port()
+    config = write_config(tmp_path / "agent.yaml", {
+        "run": {"name": "agent"}, "model": {"path": str(build_tiny_model(tmp_path / "tiny"))},
+        "tasks": {"generate": None}, "serve": {"port": port, "max_tokens": 8},
+        "trainer": {"algorithm": "grpo", "steps": 1, "batch_groups": 2, "micro_batch": 8,
+                    "eval_interval": 100, "checkpoint_dir": str(tmp_path / "checkpoints")},
+        "store": {"url": db_url}})
+    processes = []
+
+    def serve(*args: str, token: str | None = None):
+        env_token = {"RESERVOIR_SERVE_TOKEN": token} if token else {}
+        os.environ.update(env_token)
+        try:
+            process = start("serve", str(config), *args, cwd=tmp_path)
+        finally:
+            for name in env_token:
+                del os.environ[name]
+        processes.append(process)
+        return process
+
+    def up(process) -> str:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: process.poll() is not None or _healthy(url), timeout=120)
+        assert process.poll() is None, process.stdout.read()
+        return f"{url}/v1"
+
+    serve.config, serve.up, serve.port = config, up, port
+    yield serve
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
+            process.communicate(timeout=60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def counts(db_url) -> tuple:
+    return query(db_url, "SELECT (SELECT count(*) FROM episodes), (SELECT count(*) FROM "
+                         "episode_calls), (SELECT count(*) FROM experiences)")[0]
+
+
+def test_calls_are_recorded_then_feedback_makes_them_experiences_that_train(served, db_url):
+    base = served.up(served())
+    client = openai.OpenAI(base_url=base, api_key="unused")
+    assert [model.id for model in client.models.list()] == ["agent"]
+    first = client.chat.completions.create(model="agent", messages=USER, n=2, logprobs=True,
+                                           user="episode-a")
+    second = client.chat.completions.with_raw_response.create(
+        model="agent", messages=USER + [{"role": "assistant", "content": "cba"},
+                                        {"role": "user", "content": "again"}],
+        max_tokens=4, extra_headers={"X-Episode-Id": "episode-a"})
+    assert second.headers["x-episode-id"] == "episode-a"
+    assert len(first.choices) == 2 and first.usage.completion_tokens > 0
+    assert counts(db_url) == (1, 3, 0)  # recorded, and nothing trains before the reward
+    answer = report_reward(base, "episode-a", rewards=[1.0, 0.0, 0.5])
+    assert (answer["responses"], answer["status"]) == (3, "ready")
+    assert counts(db_url) == (1, 0, 3)
+    rows = query(db_url, "SELECT group_id, group_row, reward, response_ids, logprobs, "
+                         "action_mask, policy_version, metadata FROM experiences ORDER BY id")
+    assert len({row.group_id for row in rows}) == 1 and [r.reward for r in rows] == [1, 0, 0.5]
+    for row, choice in zip(rows, first.choices):  # the very tokens and logprobs it was sent
+        sent = [token.logprob for token in choice.logprobs.content]
+        np.testing.assert_allclose(codec.decode(row.logprobs, codec.LOGPROB), sent, rtol=1e-6)
+        assert len(codec.decode(row.response_ids, codec.TOKEN)) == len(sent)
+        assert codec.decode(row.action_mask, codec.MASK).tolist() == [1] * len(sent)
+        assert row.metadata["call"] == first.id and row.metadata["episode"] == "episode-a"
+    assert {row.policy_version for row in rows} == {0}
+    with pytest.raises(openai.ConflictError):  # a reported episode takes no more calls
+        client.chat.completions.create(model="agent", messages=USER, user="episode-a")
+    with pytest.raises(ReservoirError, match="HTTP 409: episode 'episode-a': its reward was "
+                                             "reported already"):
+        report_reward(base, "episode-a", 1.0)
+    client.chat.completions.create(model="agent", messages=USER, n=2, user="episode-b")
+    report_reward(base, "episode-b", rewards=[0.0, 1.0])
+    summary = pool.train(load_config(served.config))  # a trainer leases both episodes
+    assert summary.steps == 1
+    trained = query(db_url, "SELECT count(*) FROM batch_items b JOIN train_steps t ON "
+                            "t.id = b.train_step_id WHERE t.step = 1")[0][0]
+    assert trained == 5 and query(db_url, "SELECT DISTINCT status FROM experiences") == [
+        ("consumed",)]
+    wait_for(lambda: httpx.get(f"{base[:-3]}/health").json()["policy_version"] == 1, timeout=30)
+    client.chat.completions.create(model="agent", messages=USER, user="episode-c")
+    assert query(db_url, "SELECT policy_version FROM episode_calls") == [(1,)]
+
+
+def test_bad_requests_get_openai_errors_and_store_nothing(served, db_url):
+    base = served.up(served())
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+    refused = [
+        (openai.NotFoundError, dict(model="gpt-4o", messages=USER)),
+        (openai.BadRequestError, dict(model="agent", messages=[])),
+        (openai.BadRequestError, dict(model="agent", messages=[{"role": "robot",
+                                                                "content": "hi"}])),
+        (openai.BadRequestError, dict(model="agent", messages=USER, temperature=0.3)),
+        (openai.BadRequestError, dict(model="agent", messages=USER, n=1000)),
+        (openai.BadRequestError, dict(model="agent", messages=USER, max_tokens=10**6)),
+        (openai.BadRequestError, dict(model="agent", messages=USER, stop=["\n"])),
+        (openai.BadRequestError, dict(model="agent", messages=USER, user="two words")),
+        (openai.BadRequestError, dict(model="agent", messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),
+        (openai.BadRequestError, dict(model="agent", messages=[{"role": "user",
+                                                                "content": "a\x00b"}])),
+    ]
+    for error, request in refused:
+        with pytest.raises(error):
+            client.chat.completions.create(**request)
+    for body in (b"{not json", b"[1, 2]", b'{"model": "agent"}'):
+        response = httpx.post(f"{base}/chat/completions", content=body,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400 and "message" in response.json()["error"]
+    for feedback, status in (({"episode_id": "nobody", "reward": 1}, 404),
+                             ({"episode_id": "x", "reward": float("inf")}, 400),
+                             ({"episode_id": "x", "reward": True}, 400),
+                             ({"episode_id": "x"}, 400),
+                             ({"episode_id": "x", "reward": 1, "extra": 1}, 400)):
+        response = httpx.post(f"{base}/feedback", content=_json(feedback),
+                              headers={"content-type": "application/json"})
+        assert response.status_code == status, (feedback, response.text)
+    assert counts(db_url) == (0, 0, 0)
+    client.chat.completions.create(model="agent", messages=USER, n=2, user="short")
+    with pytest.raises(ReservoirError, match="has 2 responses; got 3 rewards"):
+        report_reward(base, "short", rewards=[1, 0, 1])
+    assert counts(db_url) == (1, 2, 0)  # the refused report changed nothing
+
+
+def _json(value) -> bytes:
+    import json
+
+    return json.dumps(value, allow_nan=True).encode()
+
+
+def test_a_token_guards_the_server_and_is_required_off_loopback(served, db_url):
+    refused = served("--host", "0.0.0.0")
+    output, _ = refused.communicate(timeout=120)
+    assert refused.returncode == 1
+    assert output.strip().splitlines()[-1] == (
+        "error: serve.host: 0.0.0.0 is reachable from other machines; set a bearer token in "
+        "the environment variable RESERVOIR_SERVE_TOKEN first")
+    base = served.up(served(token="s3cret-token"))
+    for key in ("", "wrong"):
+        client = openai.OpenAI(base_url=base, api_key=key or "missing", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model="agent", messages=USER, user="guarded")
+    assert httpx.post(f"{base}/feedback", json={"episode_id": "guarded", "reward": 1}
+                      ).status_code == 401
+    assert counts(db_url) == (0, 0, 0)
+    good = openai.OpenAI(base_url=base, api_key="s3cret-token")
+    good.chat.completions.create(model="agent", messages=USER, user="guarded")
+    report_reward(base, "guarded", 1.0, api_key="s3cret-token")
+    assert counts(db_url) == (1, 0, 1)

@@ -1,0 +1,237 @@
+"""Workflows on a tiny local model and the real store: a multi-turn episode's tool tokens carry
+mask 0 and get no gradient while the model's tokens do; the calculator and guess-the-number
+environments; sft on demonstrations; the batcher's ordering; workflow options."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from reservoir.chat import demonstration, encode
+from reservoir.errors import ConfigError, WorkflowError
+from reservoir.explorer.batcher import Batcher
+from reservoir.explorer.engine import Request, TransformersEngine
+from reservoir.explorer.guess import binary_search, feedback, guess_number_tasks
+from reservoir.explorer.policy import Policy, Sampling
+from reservoir.explorer.rewards import exact_match
+from reservoir.explorer.tools import calculate, calculator_tasks
+from reservoir.explorer.workflow import Task, explore, make_workflow
+from reservoir.models import build_tiny_model, load_model
+from reservoir.store import Experience
+from reservoir.trainer.batch import make_batch
+from reservoir.trainer.sft import conversation, sft_batch
+from reservoir.trainer.step import PRESETS, train_step
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return TransformersEngine(model_path)
+
+
+@pytest.fixture(scope="module")
+def calc_engine(model_path):
+    """The tiny model after a short sft on calculator demonstrations: it ends its turns."""
+    torch.manual_seed(0)
+    model, tokenizer = load_model(model_path)
+    conversations = [row["payload"]["messages"] for row in calculator_tasks(384, seed=0)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(120):
+        start = (step * 32) % len(conversations)
+        train_step(model, optimizer, sft_batch(tokenizer, conversations[start:start + 32]),
+                   PRESETS["sft"], micro_batch=32)
+    return TransformersEngine.of(model.eval(), tokenizer)
+
+
+def policy_of(batcher, *, n=2, max_tokens=6, run="r", task_id=None, version=0):
+    return Policy(batcher, Sampling(n, 1.0, max_tokens), exact_match, run, task_id, version)
+
+
+def tool_episode(policy):
+    """reply, tool answer, reply: a real two-turn episode whatever the model writes."""
+    episode = policy.episode("Compute 12*34")
+    episode.reply()
+    episode.add("tool", "408")
+    episode.reply()
+    return episode
+
+
+def test_an_episode_holds_model_turns_with_mask_1_and_tool_turns_with_mask_0(calc_engine):
+    torch.manual_seed(0)
+    with Batcher(calc_engine) as batcher:
+        episode = tool_episode(policy_of(batcher, max_tokens=30))
+    tokenizer, tokens = calc_engine.tokenizer, episode.tokens
+    mask = np.asarray(tokens.mask)
+    tool = encode(tokenizer, "<|tool|>408<|end|><|assistant|>")
+    starts = [i for i in range(len(mask)) if tokens.response_ids[i:i + len(tool)] == tool]
+    assert len(starts) == 1 and episode.turns == 2
+    start = starts[0]
+    assert mask[start:start + len(tool)].tolist() == [0] * len(tool)  # the tool turn
+    assert mask[:start].all() and mask[start + len(tool):].all()      # the model's turns
+    assert tokens.response_ids[start - 1] == tokenizer.eos_token_id   # turn one ended itself
+    logprobs = np.asarray(tokens.logprobs)
+    assert (logprobs[mask == 0] == 0).all() and (logprobs[mask == 1] < 0).all()
+    experience = episode.experience(1.0, {"accuracy": 1.0})
+    assert experience.response_text.count("<|tool|>408") == 1
+    assert experience.metadata == {"turns": 2, "truncated": episode.truncated}
+
+
+def logit_gradients(model, batch):
+    """d loss / d logits of one real train step, observed by a hook on the output layer."""
+    captured = []
+    head = model.get_output_embeddings()
+
+    def keep_gradient(module, args, output) -> None:
+        output.register_hook(captured.append)
+
+    handle = head.register_forward_hook(keep_gradient)
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        train_step(model, optimizer, batch, PRESETS["grpo"], micro_batch=len(batch))
+    finally:
+        handle.remove()
+    (grad,) = captured
+    return grad[:, :-1].abs().sum(-1)  # position t predicts token t + 1, as batch.mask
+
+
+def test_tool_tokens_get_no_gradient_and_model_tokens_do(calc_engine, store):
+    store.create_run("r")
+    torch.manual_seed(1)
+    with Batcher(calc_engine) as batcher:
+        policy = policy_of(batcher, max_tokens=30)
+        group = [tool_episode(policy).experience(reward) for reward in (1.0, 0.0)]
+    assert all(0 in row.action_mask for row in group)
+    store.write_groups([group])
+    rows = sorted(store.lease("r", groups=1).rows, key=lambda row: row.id)
+    model = copy.deepcopy(calc_engine.model).train()
+    batch = make_batch(rows, calc_engine.tokenizer.pad_token_id)
+    grad = logit_gradients(model, batch)
+    mask = batch.mask.bool()
+    prompt_len = len(rows[0].prompt_ids)
+    tool = torch.zeros_like(mask)
+    for i, row in enumerate(rows):
+        zeros = np.flatnonzero(row.action_mask == 0)
+        tool[i, prompt_len - 1 + zeros] = True
+    assert tool.sum() > 0 and (grad[tool] == 0).all()      # tool tokens: no gradient at all
+    assert (grad[mask] > 0).all()                           # every model token: some
+    assert torch.isnan(batch.old_logprobs[tool]).all()      # and no logprob to compare with
+    assert not torch.isnan(batch.old_logprobs[mask]).any()
+
+
+def test_sft_on_a_demonstration_trains_only_the_assistant_turns(engine):
+    messages = calculator_tasks(1, seed=3)[0]["payload"]["messages"]
+    tokens = demonstration(engine.tokenizer, messages)
+    decoded = [engine.tokenizer.decode([t]) for t in tokens.response_ids]
+    trained = "".join(d for d, m in zip(decoded, tokens.mask) if m)
+    call, result = messages[1]["content"], messages[2]["content"]
+    assert trained == f"{call}<|end|>{result}<|end|>"
+    batch = sft_batch(engine.tokenizer, [messages, conversation("Reverse: ab", "ba")])
+    assert batch.mask.sum(1).tolist() == [len(call) + len(result) + 2, 3.0]
+
+
+def test_calculator_refuses_anything_but_arithmetic():
+    assert calculate("(10 + 5) * 3 - 7") == "38"
+    assert calculate("7 / 2") == "3.5" and calculate("-(2 ** 10)") == "-1024"
+    for hostile in ("__import__('os').system('true')", "().__class__", "9 ** 9 ** 9",
+                    "1e308 * 10", "x + 1", "1 / 0", "[1] * 3", ""):
+        assert calculate(hostile).startswith("error:"), hostile
+
+
+def test_the_calculator_workflow_calls_the_tool_after_a_short_sft(calc_engine, store):
+    store.create_run("calc")
+    tasks = [Task(None, row["prompt"], row["answer"]) for row in calculator_tasks(6, seed=9)]
+    torch.manual_seed(3)
+    with Batcher(calc_engine) as batcher:
+        groups = explore(make_workflow("calculator", {"max_calls": 1}), tasks, batcher,
+                         Sampling(2, 1.0, 12), run="calc", version=0, reward="exact_match")
+    store.write_groups(groups)
+    episodes = [row for group in groups for row in group]
+    called = [row for row in episodes if row.metadata["tool_calls"] == 1]
+    assert len(called) >= len(episodes) // 2, [row.response_text for row in episodes]
+    for row in called:  # the tool's answer is the calculator's, on what the model wrote
+        text = row.response_text
+        expression = text.split("CALC", 1)[1].split("<|end|>", 1)[0]
+        assert f"<|tool|>{calculate(expression)}<|end|>" in text
+        assert 0 in row.action_mask and row.action_mask[0] == 1
+
+
+def test_guess_number_gives_feedback_until_found():
+    assert binary_search(11, 1, 16) == [
+        {"role": "assistant", "content": "8"}, {"role": "user", "content": "higher"},
+        {"role": "assistant", "content": "12"}, {"role": "user", "content": "lower"},
+        {"role": "assistant", "content": "10"}, {"role": "user", "content": "higher"},
+        {"role": "assistant", "content": "11"}]
+    assert feedback("maybe 3?", 3) == "correct"
+    row = guess_number_tasks(5, seed=1)[0]
+    assert row["answer"] == str(row["payload"]["secret"])
+
+
+def test_guess_number_episodes_end_after_max_turns(engine):
+    task = Task.of((None, "Guess my number from 1 to 16", "5", {"secret": 5}))
+    torch.manual_seed(2)
+    with Batcher(engine) as batcher:
+        (group,) = explore(make_workflow("guess_number", {"max_turns": 3}), [task], batcher,
+                           Sampling(3, 1.0, 4), run="r", version=0, reward="exact_match")
+    for row in group:
+        assert 1 <= row.metadata["turns"] <= 3 and row.metadata["secret"] == 5
+        assert row.reward == sum(row.reward_components.values())
+        turns_found = row.response_text.count("<|user|>")
+        assert turns_found == row.metadata["turns"] - 1 or row.reward_components["accuracy"]
+
+
+def test_a_batch_holds_every_waiting_caller_in_their_order(engine):
+    seen = []
+
+    class Recording:
+        tokenizer, context = engine.tokenizer, engine.context
+
+        def generate(self, requests, seed=None):
+            seen.append([request.max_tokens for request in requests])
+            return engine.generate(requests)
+
+    with Batcher(Recording(), max_wait_s=30) as batcher:
+        batcher.join(5)
+        prompt = encode(engine.tokenizer, "<|user|>hi<|end|><|assistant|>")
+
+        def call(index):
+            try:
+                batcher.generate([Request(prompt, 1, 1.0, index + 1)], order=(index,))
+            finally:
+                batcher.leave()
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in reversed(range(5))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert seen == [[1, 2, 3, 4, 5]]  # one engine call, in order, however the threads ran
+
+
+def test_workflow_options_and_failures_are_named(engine):
+    with pytest.raises(ConfigError, match="explorer.workflow_options: workflow 'calculator' "
+                                          "does not take them"):
+        make_workflow("calculator", {"max_cals": 2})
+    with pytest.raises(ConfigError, match="unknown workflow 'nope'; valid: calculator, "
+                                          "guess_number, single_turn"):
+        make_workflow("nope")
+    with Batcher(engine) as batcher:
+        with pytest.raises(WorkflowError, match="workflow 'guess_number' failed on task 7: "
+                                                "KeyError: 'secret'"):
+            explore(make_workflow("guess_number"), [Task(7, "Guess", "1")], batcher,
+                    Sampling(1, 1.0, 4), run="r", version=0, reward="exact_match")
+        with pytest.raises(WorkflowError, match="names run 'other'"):
+            explore(other_run, [Task(None, "p")], batcher, Sampling(1, 1.0, 2), run="r",
+                    version=0, reward="exact_match")
+
+
+def other_run(task, policy):
+    return [Experience(run="other", task_id=task.id, prompt_text="p", response_text="x",
+                       prompt_ids=[1], response_ids=[2], reward=0.0)]
