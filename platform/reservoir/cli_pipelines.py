@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
+from getpass import getuser
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +17,10 @@ from reservoir.errors import ReservoirError
 pipeline_app = typer.Typer(help="Data pipelines: operator YAML run against the store.",
                            no_args_is_help=True)
 schedule_app = typer.Typer(help="Cron-scheduled pipelines.", no_args_is_help=True)
-review_app = typer.Typer(help="Rows held for human review.", no_args_is_help=True)
+review_app = typer.Typer(help="Rows held for human review, and pairs people choose.",
+                         no_args_is_help=True)
+ReviewerOption = typer.Option(None, help="Who decided (default: your login name).")
+REVIEW_TOKEN_ENV = "RESERVOIR_REVIEW_TOKEN"
 
 
 @pipeline_app.command("check")
@@ -161,31 +167,58 @@ def review_list(run: Optional[str] = typer.Option(None, help="Only this run's ro
 def review_label(review_id: int,
                  verdict: str = typer.Option(..., help="accept (row becomes ready) or reject "
                                                         "(quarantined)."),
-                 reviewer: Optional[str] = typer.Option(None, help="Who decided."),
-                 label: Optional[str] = typer.Option(None, help="Extra labels as JSON."),
+                 reviewer: Optional[str] = ReviewerOption,
+                 label: Optional[str] = typer.Option(None, help="Extra labels as a JSON object."),
                  config: Optional[Path] = ConfigOption) -> None:
-    """Label a held row; it leaves `held` in the same transaction."""
+    """Label a held row; it leaves `held` in the same transaction (and review_actions logs
+    it)."""
     from reservoir.store.reviews import label as record
 
     try:
         values = json.loads(label) if label else {}
     except json.JSONDecodeError as exc:
         raise ReservoirError(f"--label: not JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise ReservoirError(f"--label: a JSON object of name: value, not {label!r}")
     with _open(config) as store, store.engine.begin() as conn:
-        status = record(conn, review_id, verdict=verdict, reviewer=reviewer, values=values)
+        status = record(conn, review_id, verdict=verdict, reviewer=reviewer or getuser(),
+                        values=values)
     console.print(f"review {review_id}: {verdict}; the row is now {status}")
+
+
+@review_app.command("serve")
+def review_serve(run: Optional[str] = typer.Option(None, help="Only this run's rows."),
+                 host: str = typer.Option("127.0.0.1", help="Address to bind (elsewhere than "
+                                          "loopback, reading needs the login too)."),
+                 port: int = typer.Option(8766, min=1, max=65_535),
+                 config: Optional[Path] = ConfigOption) -> None:
+    """A page to review held rows (accept, reject, label) and pick the better of two responses
+    (DPO pairs); writing needs the token RESERVOIR_REVIEW_TOKEN (else one made now)."""
+    from reservoir.http import is_loopback, run_app, url_of
+    from reservoir.pipeline.review_page import Reviewing, create_app
+
+    token = os.environ.get(REVIEW_TOKEN_ENV)
+    with _open(config) as store:
+        app = create_app(Reviewing(store, token or secrets.token_urlsafe(18), run=run,
+                                   open_reading=is_loopback(host)))
+        url = url_of(host, port)
+        login = (f"{url}/login (the token is {REVIEW_TOKEN_ENV})" if token else
+                 f"{url}/login?token={app.state.reviewing.token}")
+        console.print(f"review page at {url}/ ; log in at {login}; Ctrl-C stops",
+                      markup=False, highlight=False, soft_wrap=True)
+        run_app(app, host, port)
 
 
 @review_app.command("prefer")
 def review_prefer(chosen_id: int = typer.Argument(..., help="The better response's experience."),
                   rejected_id: int = typer.Argument(..., help="The worse one's (same task and run)."),
-                  reviewer: Optional[str] = typer.Option(None, help="Who decided."),
+                  reviewer: Optional[str] = ReviewerOption,
                   config: Optional[Path] = ConfigOption) -> None:
-    """Record that a person prefers one response to another: a DPO pair (source review:NAME)."""
-    from reservoir.store.preferences import Pair
+    """Record that a person prefers one response to another: a DPO pair (source
+    review:REVIEWER), logged in review_actions."""
+    from reservoir.store.reviews import prefer
 
-    source = f"review:{reviewer}" if reviewer else "review"
-    with _open(config) as store:
-        added = store.add_pairs([Pair(chosen_id, rejected_id, None, source)])
+    with _open(config) as store, store.engine.begin() as conn:
+        added = prefer(conn, chosen_id, rejected_id, reviewer=reviewer or getuser())
     console.print(f"experience {chosen_id} preferred over {rejected_id}: "
                   f"{'pair added' if added else 'the pair was already stored'}")

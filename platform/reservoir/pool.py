@@ -24,6 +24,7 @@ from reservoir.errors import ConfigError, ReservoirError
 from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.explorer.workflow import make_workflow
+from reservoir.http import run_app, url_of
 from reservoir.monitor import Monitor, live
 from reservoir.pipeline.stream import PipelineWorker, stream_spec
 from reservoir.prepare import absolute, branch_checkpoint, check_model, ensure_run
@@ -123,8 +124,6 @@ def train(config: ReservoirConfig, *, resume: bool = False,
 
 def serve(config: ReservoirConfig, *, console: Console | None = None) -> None:
     """`reservoir serve`: the OpenAI-compatible endpoint, until Ctrl-C."""
-    import uvicorn
-
     from reservoir.explorer.serve import Server, create_app
 
     console = console or Console()
@@ -134,13 +133,11 @@ def serve(config: ReservoirConfig, *, console: Console | None = None) -> None:
     server = Server(config)
     try:
         host, port = config.serve.host, config.serve.port
-        shown = f"[{host}]" if ":" in host else host
         console.print(f"serving run {config.run.name!r} as model {server.model!r} (policy "
-                      f"version {server.version}) at http://{shown}:{port}/v1"
+                      f"version {server.version}) at {url_of(host, port)}/v1"
                       f"{' (bearer token required)' if server.token else ''}; Ctrl-C stops",
                       markup=False, highlight=False, soft_wrap=True)
-        uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port,
-                                      log_level="warning", access_log=False)).run()
+        run_app(create_app(server), host, port)
     finally:
         server.close()
 

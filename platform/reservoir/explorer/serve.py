@@ -20,7 +20,6 @@ expect (400, 401, 404, 409), and a refused call stores nothing.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 import threading
 
@@ -33,6 +32,7 @@ from reservoir.config import ReservoirConfig
 from reservoir.errors import (ConfigError, EpisodeClosed, EpisodeUnknown, ExperienceInvalid,
                               FlowControlTimeout)
 from reservoir.explorer.batcher import Batcher
+from reservoir.http import is_loopback
 from reservoir.explorer.engine import Request, make_engine, take_policy
 from reservoir.explorer.openai_api import (ApiError, ChatRequest, bad, completion,
                                            completion_id, episode_of, finish_reason, parse_chat,
@@ -54,13 +54,6 @@ def token_for(config: ReservoirConfig) -> str | None:
         raise ConfigError(f"serve.host: {serve.host} is reachable from other machines; set a "
                           f"bearer token in the environment variable {serve.token_env} first")
     return token
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Server:

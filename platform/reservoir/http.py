@@ -1,0 +1,26 @@
+"""What Reservoir's two HTTP servers (`reservoir serve`, `reservoir review serve`) share: which
+addresses count as this machine only, and running an app under uvicorn until Ctrl-C."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach the address."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def run_app(app, host: str, port: int) -> None:
+    """Serve until Ctrl-C (uvicorn's own handling: it finishes the requests in flight)."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                  access_log=False)).run()
