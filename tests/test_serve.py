@@ -15,13 +15,12 @@ import numpy as np
 import openai
 import pytest
 
-from reservoir import pool
 from reservoir.agent import report_reward
 from reservoir.config import load_config
 from reservoir.errors import ReservoirError
 from reservoir.models import build_tiny_model
-from reservoir.store import codec
-from tests.test_recovery import query, start, wait_for, write_config
+from reservoir.store import Store, codec
+from tests.test_recovery import finish, query, start, wait_for, write_config
 
 USER = [{"role": "user", "content": "Reverse: abc"}]
 
@@ -81,8 +80,22 @@ def counts(db_url) -> tuple:
                          "episode_calls), (SELECT count(*) FROM experiences)")[0]
 
 
-def test_calls_are_recorded_then_feedback_makes_them_experiences_that_train(served, db_url):
+def published(base: str, version: int) -> bool:
+    return httpx.get(f"{base[:-3]}/health").json()["policy_version"] == version
+
+
+def publish_start(db_url: str, config) -> None:
+    """Version 0 as the trainer would publish it (the model folder's weights, at step 0)."""
+    with Store(db_url) as store:
+        store.publish_version("agent", 0, location=str(load_config(config).model.path),
+                              train_step=0)
+
+
+def test_calls_are_recorded_then_feedback_makes_them_experiences_that_train(served, db_url,
+                                                                            tmp_path):
     base = served.up(served())
+    trainer = start("train", str(served.config), cwd=tmp_path)  # it publishes version 0
+    wait_for(lambda: published(base, 0), timeout=120)
     client = openai.OpenAI(base_url=base, api_key="unused")
     assert [model.id for model in client.models.list()] == ["agent"]
     first = client.chat.completions.create(model="agent", messages=USER, n=2, logprobs=True,
@@ -114,13 +127,12 @@ def test_calls_are_recorded_then_feedback_makes_them_experiences_that_train(serv
         report_reward(base, "episode-a", 1.0)
     client.chat.completions.create(model="agent", messages=USER, n=2, user="episode-b")
     report_reward(base, "episode-b", rewards=[0.0, 1.0])
-    summary = pool.train(load_config(served.config))  # a trainer leases both episodes
-    assert summary.steps == 1
+    assert "policy version 1" in finish(trainer, timeout=240)  # it leased both episodes
     trained = query(db_url, "SELECT count(*) FROM batch_items b JOIN train_steps t ON "
                             "t.id = b.train_step_id WHERE t.step = 1")[0][0]
     assert trained == 5 and query(db_url, "SELECT DISTINCT status FROM experiences") == [
         ("consumed",)]
-    wait_for(lambda: httpx.get(f"{base[:-3]}/health").json()["policy_version"] == 1, timeout=30)
+    wait_for(lambda: published(base, 1), timeout=30)
     client.chat.completions.create(model="agent", messages=USER, user="episode-c")
     assert query(db_url, "SELECT policy_version FROM episode_calls") == [(1,)]
 
@@ -128,6 +140,10 @@ def test_calls_are_recorded_then_feedback_makes_them_experiences_that_train(serv
 def test_bad_requests_get_openai_errors_and_store_nothing(served, db_url):
     base = served.up(served())
     client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError, match="no published policy yet"):
+        client.chat.completions.create(model="agent", messages=USER)  # (503: clients retry)
+    publish_start(db_url, served.config)
+    wait_for(lambda: published(base, 0), timeout=30)
     refused = [
         (openai.NotFoundError, dict(model="gpt-4o", messages=USER)),
         (openai.BadRequestError, dict(model="agent", messages=[])),
@@ -179,6 +195,8 @@ def test_a_token_guards_the_server_and_is_required_off_loopback(served, db_url):
         "error: serve.host: 0.0.0.0 is reachable from other machines; set a bearer token in "
         "the environment variable RESERVOIR_SERVE_TOKEN first")
     base = served.up(served(token="s3cret-token"))
+    publish_start(db_url, served.config)
+    wait_for(lambda: published(base, 0), timeout=30)
     for key in ("", "wrong"):
         client = openai.OpenAI(base_url=base, api_key=key or "missing", max_retries=0)
         with pytest.raises(openai.AuthenticationError):

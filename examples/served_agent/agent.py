@@ -2,7 +2,7 @@
 reverse words (8 answers per word, one episode each word), scores each answer itself and
 reports the rewards; Reservoir records the calls and trains on the reported episodes.
 
-    python examples/served_agent/agent.py --base-url http://127.0.0.1:8000/v1 --episodes 600
+    python examples/served_agent/agent.py --base-url http://127.0.0.1:8000/v1 --episodes 700
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 from openai import OpenAI
 
-from reservoir.agent import report_reward
+from reservoir.agent import report_reward, wait_for_policy
 
 
 def word(rng: random.Random) -> str:
@@ -25,11 +25,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", default="served-agent")
-    parser.add_argument("--episodes", type=int, default=600)
+    parser.add_argument("--episodes", type=int, default=700)
     parser.add_argument("--api-key", default="unused")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     client = OpenAI(base_url=args.base_url, api_key=args.api_key)
+    print(f"serving policy version {wait_for_policy(args.base_url)}", flush=True)
     rng, window = random.Random(args.seed), []
     for episode in range(args.episodes):
         secret = word(rng)

@@ -8,11 +8,13 @@
     report_reward("http://127.0.0.1:8000/v1", "episode-1", 1.0)
 
 Until its reward is reported an episode's calls are only recorded; then they become one group
-of experiences, which the trainer can lease.
+of experiences, which the trainer can lease. Before the trainer has published the run's first
+policy the server answers 503; `wait_for_policy` waits for it.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import httpx
@@ -46,3 +48,21 @@ def report_reward(base_url: str, episode_id: str, reward: float | None = None, *
         raise ReservoirError(f"reward of episode {episode_id!r}: HTTP {response.status_code}: "
                              f"{message}")
     return response.json()
+
+
+def wait_for_policy(base_url: str, *, timeout_s: float = 600.0, every_s: float = 1.0) -> int:
+    """Wait until the server serves a published policy version; returns it. ReservoirError
+    after timeout_s (the server is not up, or no trainer publishes)."""
+    health = f"{base_url.rstrip('/').removesuffix('/v1')}/health"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            version = httpx.get(health, timeout=10).json()["policy_version"]
+            if version is not None:
+                return version
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass  # not up yet
+        if time.monotonic() > deadline:
+            raise ReservoirError(f"{health}: no published policy after {timeout_s:g}s; is the "
+                                 "server up and a trainer running (`reservoir train CONFIG`)?")
+        time.sleep(every_s)

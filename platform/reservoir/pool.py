@@ -133,8 +133,10 @@ def serve(config: ReservoirConfig, *, console: Console | None = None) -> None:
     server = Server(config)
     try:
         host, port = config.serve.host, config.serve.port
+        version = ("none published yet" if server.version is None
+                   else f"version {server.version}")
         console.print(f"serving run {config.run.name!r} as model {server.model!r} (policy "
-                      f"version {server.version}) at {url_of(host, port)}/v1"
+                      f"{version}) at {url_of(host, port)}/v1"
                       f"{' (bearer token required)' if server.token else ''}; Ctrl-C stops",
                       markup=False, highlight=False, soft_wrap=True)
         run_app(create_app(server), host, port)

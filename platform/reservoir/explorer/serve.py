@@ -10,7 +10,9 @@ every call as experience.
     GET  /health                the run and the policy version served
 
 Weights follow the trainer: a NOTIFY on the policy channel (or the poll) makes the server load
-the run's latest version in place, between two batches. Concurrent calls are batched (the
+the run's latest version in place, between two batches; before the trainer has published the
+run's first version (version 0, when its first explorer stage begins) calls get 503, as an
+explorer waits for it. Concurrent calls are batched (the
 explorer's `Batcher`). Bound to 127.0.0.1 unless serve.host says otherwise; any other address
 needs the bearer token in the environment variable serve.token_env, and once a token is set
 every request must carry it. Errors come as OpenAI's error objects with the status its clients
@@ -69,14 +71,14 @@ class Server:
         with self.store.engine.connect() as conn:
             self.run_id = run_id_of(conn, config.run.name)
         self.batcher = Batcher(make_engine(config, seed=config.run.seed))
-        self.batcher.tag = 0  # the model folder's weights, until the trainer publishes
-        self.reload()
+        self.reload()  # the tag stays None (nothing served) until the trainer publishes
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow, name="policy", daemon=True)
         self._follower.start()
 
     @property
-    def version(self) -> int:
+    def version(self) -> int | None:
+        """The policy version served; None before the trainer published the run's first."""
         return self.batcher.tag
 
     def reload(self) -> None:
@@ -107,6 +109,11 @@ class Server:
         explorer, serve = self.config.explorer, self.config.serve
         request = parse_chat(body, model=self.model, temperature=explorer.temperature,
                              max_n=serve.max_n)
+        if self.version is None:
+            raise ApiError(503, f"run {self.config.run.name!r} has no published policy yet: the "
+                                "trainer publishes version 0 when its first explorer stage "
+                                "begins (start `reservoir train`)", type="server_error",
+                           code="no_policy")
         episode = episode_of(episode_header, request)
         tokenizer = self.batcher.engine.tokenizer
         try:
