@@ -195,6 +195,9 @@ def test_a_token_guards_the_server_and_is_required_off_loopback(served, db_url):
         "error: serve.host: 0.0.0.0 is reachable from other machines; set a bearer token in "
         "the environment variable RESERVOIR_SERVE_TOKEN first")
     base = served.up(served(token="s3cret-token"))
+    taken = served()  # the same port again: one line, before any model is loaded
+    assert taken.communicate(timeout=120)[0].strip().splitlines()[-1].startswith(
+        f"error: serve.port: cannot listen on http://127.0.0.1:{served.port}: ")
     publish_start(db_url, served.config)
     wait_for(lambda: published(base, 0), timeout=30)
     for key in ("", "wrong"):

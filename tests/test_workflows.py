@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from openai.types.chat import ChatCompletion
 
 from reservoir.chat import demonstration, encode
 from reservoir.errors import ConfigError, WorkflowError
@@ -219,6 +220,10 @@ def test_workflow_options_and_failures_are_named(engine):
     with pytest.raises(ConfigError, match="explorer.workflow_options: workflow 'calculator' "
                                           "does not take them"):
         make_workflow("calculator", {"max_cals": 2})
+    for bad in (1e20, True, -1, "2"):
+        with pytest.raises(ConfigError, match="explorer.workflow_options: workflow "
+                                              "'calculator': max_calls = .*: a whole number"):
+            make_workflow("calculator", {"max_calls": bad})
     with pytest.raises(ConfigError, match="unknown workflow 'nope'; valid: calculator, "
                                           "guess_number, single_turn"):
         make_workflow("nope")
@@ -235,3 +240,38 @@ def test_workflow_options_and_failures_are_named(engine):
 def other_run(task, policy):
     return [Experience(run="other", task_id=task.id, prompt_text="p", response_text="x",
                        prompt_ids=[1], response_ids=[2], reward=0.0)]
+
+
+def agent_workflow(task, policy):
+    """Agent code written against the openai client, given the policy's client instead."""
+    client = policy.client()
+    first = client.chat.completions.create(
+        model="anything", n=2, logprobs=True,
+        messages=[{"role": "user", "content": task.prompt}])
+    assert isinstance(first, ChatCompletion)
+    client.chat.completions.create(model="anything", max_tokens=3, messages=[
+        {"role": "user", "content": task.prompt},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "again"}])
+    group = client.group(rewards=[1.0, 0.0, 0.5])
+    for row, choice in zip(group, first.choices):
+        sent = [token.logprob for token in choice.logprobs.content]
+        np.testing.assert_allclose(row.logprobs, sent)
+    return group
+
+
+def test_agent_code_runs_on_the_policy_s_openai_style_client(engine, store):
+    store.create_run("agent")
+    with Batcher(engine) as batcher:
+        (group,) = explore(agent_workflow, [Task(None, "Reverse: ab", "ba")], batcher,
+                           Sampling(2, 1.0, 5), run="agent", version=0, reward="exact_match")
+        with pytest.raises(WorkflowError, match="temperature: this run samples at 1"):
+            explore(lambda task, policy: policy.client().chat.completions.create(
+                        model="m", temperature=0.2, messages=[{"role": "user", "content": "x"}]),
+                    [Task(None, "x")], batcher, Sampling(1, 1.0, 2), run="agent", version=0,
+                    reward="exact_match")
+    assert [row.reward for row in group] == [1.0, 0.0, 0.5]
+    assert len({row.group_id for row in group}) == 1
+    assert [row.metadata["choice"] for row in group] == [0, 1, 0]
+    assert all(row.action_mask.all() for row in group)
+    assert store.write_groups([group]).rows == 3

@@ -194,9 +194,10 @@ def review_serve(run: Optional[str] = typer.Option(None, help="Only this run's r
                  config: Optional[Path] = ConfigOption) -> None:
     """A page to review held rows (accept, reject, label) and pick the better of two responses
     (DPO pairs); writing needs the token RESERVOIR_REVIEW_TOKEN (else one made now)."""
-    from reservoir.http import is_loopback, run_app, url_of
+    from reservoir.http import check_free, is_loopback, run_app, url_of
     from reservoir.pipeline.review_page import Reviewing, create_app
 
+    check_free(host, port, "--host/--port")
     token = os.environ.get(REVIEW_TOKEN_ENV)
     with _open(config) as store:
         app = create_app(Reviewing(store, token or secrets.token_urlsafe(18), run=run,

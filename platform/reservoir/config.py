@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import ipaddress
 import math
 import os
 import re
@@ -55,6 +56,16 @@ def _branch(value: str | None) -> str | None:
         if not (name and step.isdigit() and len(step) <= 9):
             raise ValueError("RUN@STEP, e.g. reverse-1@200")
         _run_name(name)
+    return value
+
+
+def _host(value: str) -> str:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})", value):
+            raise ValueError("an IP address or a host name (e.g. 127.0.0.1, 0.0.0.0, ::1, "
+                             "localhost)") from None
     return value
 
 
@@ -217,8 +228,9 @@ class ServeConfig(Section):
     is recorded; an episode's calls become one group when its reward is reported. The bearer
     token is read from the environment variable `token_env` (a secret stays out of configs)."""
 
-    host: str = Field(default="127.0.0.1", description="address to bind; anything but a "
-                      "loopback address needs the token")
+    host: Annotated[str, AfterValidator(_host)] = Field(
+        default="127.0.0.1", description="address to bind; anything but a loopback address "
+        "needs the token")
     port: Count = count(8000, 1, 65_535)
     model_name: RunName | None = Field(default=None, description="the model id clients "
                                        "name; unset: the run's name")

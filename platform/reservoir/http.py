@@ -4,6 +4,9 @@ addresses count as this machine only, and running an app under uvicorn until Ctr
 from __future__ import annotations
 
 import ipaddress
+import socket
+
+from reservoir.errors import ConfigError
 
 
 def is_loopback(host: str) -> bool:
@@ -16,6 +19,19 @@ def is_loopback(host: str) -> bool:
 
 def url_of(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def check_free(host: str, port: int, key: str) -> None:
+    """ConfigError naming `key` when the address cannot be bound (in use, or not this
+    machine's), before anything slow starts."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot listen on {url_of(host, port)}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def run_app(app, host: str, port: int) -> None:

@@ -24,7 +24,7 @@ from reservoir.errors import ConfigError, ReservoirError
 from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.explorer.workflow import make_workflow
-from reservoir.http import run_app, url_of
+from reservoir.http import check_free, run_app, url_of
 from reservoir.monitor import Monitor, live
 from reservoir.pipeline.stream import PipelineWorker, stream_spec
 from reservoir.prepare import absolute, branch_checkpoint, check_model, ensure_run
@@ -128,6 +128,7 @@ def serve(config: ReservoirConfig, *, console: Console | None = None) -> None:
 
     console = console or Console()
     config = _prepared(config)
+    check_free(config.serve.host, config.serve.port, "serve.port")
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config)
     server = Server(config)

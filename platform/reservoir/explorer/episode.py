@@ -40,9 +40,9 @@ class Episode:
         """An environment or tool message; its tokens join before the model's next turn."""
         self.messages.append({"role": role, "content": content})
 
-    def reply(self, **settings) -> str:
-        """The model's next turn (max_tokens, temperature: the policy's unless given)."""
-        return self.policy.reply([self], **settings)[0]
+    def reply(self, max_tokens: int | None = None) -> str:
+        """The model's next turn (at most max_tokens: the policy's unless given)."""
+        return self.policy.reply([self], max_tokens=max_tokens)[0]
 
     def request(self, *, max_tokens: int, temperature: float) -> Request | None:
         """The next turn's request (messages added since the last turn rendered first); None

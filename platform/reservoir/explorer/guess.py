@@ -32,27 +32,35 @@ def feedback(guess_text: str, secret: int) -> str:
     return "correct" if guess == secret else "higher" if guess < secret else "lower"
 
 
-def guess_number(task, policy, max_turns: int = 6) -> list:
-    """n games of the task, stepped together, each until found or max_turns guesses."""
-    if not 1 <= max_turns <= 32:
-        raise ValueError(f"max_turns {max_turns}: use 1 to 32")
-    secret = int(task.payload["secret"])
-    episodes = [policy.episode(task.prompt) for _ in range(policy.n)]
-    solved = [False] * len(episodes)
-    live = list(range(len(episodes)))
-    while live:
-        texts = policy.reply([episodes[i] for i in live])
-        still = []
-        for i, text in zip(live, texts):
-            said = feedback(text, secret)
-            solved[i] = said == "correct" and not episodes[i].truncated
-            if not solved[i] and not episodes[i].truncated and episodes[i].turns < max_turns:
-                episodes[i].add("user", said)
-                still.append(i)
-        live = still
-    return [episode.experience(*_reward(found, episode.turns, max_turns),
-                               metadata={"secret": secret})
-            for episode, found in zip(episodes, solved)]
+class GuessNumber:
+    """The workflow: n games of a task, stepped together, each until found or max_turns
+    guesses."""
+
+    def __init__(self, max_turns: int = 6) -> None:
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) \
+                or not 1 <= max_turns <= 32:
+            raise ValueError(f"max_turns = {max_turns!r}: a whole number from 1 to 32")
+        self.max_turns = max_turns
+
+    def __call__(self, task, policy) -> list:
+        secret = int(task.payload["secret"])
+        episodes = [policy.episode(task.prompt) for _ in range(policy.n)]
+        solved = [False] * len(episodes)
+        live = list(range(len(episodes)))
+        while live:
+            texts = policy.reply([episodes[i] for i in live])
+            still = []
+            for i, text in zip(live, texts):
+                said = feedback(text, secret)
+                solved[i] = said == "correct" and not episodes[i].truncated
+                if not solved[i] and not episodes[i].truncated \
+                        and episodes[i].turns < self.max_turns:
+                    episodes[i].add("user", said)
+                    still.append(i)
+            live = still
+        return [episode.experience(*_reward(found, episode.turns, self.max_turns),
+                                   metadata={"secret": secret})
+                for episode, found in zip(episodes, solved)]
 
 
 def _reward(found: bool, turns: int, max_turns: int) -> tuple[float, dict[str, float]]:

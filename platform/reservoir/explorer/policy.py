@@ -3,8 +3,9 @@
 A `Policy` is made for one task of one round. It samples (`sample`, one request of n), runs
 multi-turn episodes (`episode`, and `reply` to step many episodes in one engine call), runs a
 function several times side by side (`repeat`: e.g. an agent loop per sample, each in a thread
-whose calls are batched with everyone else's), scores with the task's reward function
-(`score`), and knows the run, task and policy version the experiences it builds belong to.
+whose calls are batched with everyone else's), stands in for an OpenAI client (`client`),
+scores with the task's reward function (`score`), and knows the run, task and policy version
+the experiences it builds belong to.
 """
 
 from __future__ import annotations
@@ -53,29 +54,24 @@ class Policy:
         """Tokens the model can attend to (prompt and response together)."""
         return self.batcher.engine.context
 
-    def _settings(self, max_tokens: int | None, temperature: float | None) -> dict:
-        return {"max_tokens": max_tokens or self.sampling.max_tokens,
-                "temperature": self.sampling.temperature if temperature is None
-                or self.sampling.temperature == 0 else temperature}
-
     def sample(self, prompt: str | Sequence[Message], n: int | None = None, *,
-               max_tokens: int | None = None, temperature: float | None = None
-               ) -> list[Sample]:
-        """n responses (the policy's n unless given) to a prompt or a conversation."""
+               max_tokens: int | None = None) -> list[Sample]:
+        """n responses (the policy's n unless given) to a prompt or a conversation. Every
+        sample is drawn at the run's temperature, the one the trainer scores tokens at."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         request = Request(prompt_ids(self.tokenizer, messages), n or self.n,
-                          **self._settings(max_tokens, temperature))
+                          self.sampling.temperature, max_tokens or self.sampling.max_tokens)
         return self.batcher.generate([request], self.order)[0]
 
     def episode(self, prompt: str | Sequence[Message]) -> Episode:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         return Episode(self, messages)
 
-    def reply(self, episodes: Sequence[Episode], *, max_tokens: int | None = None,
-              temperature: float | None = None) -> list[str]:
+    def reply(self, episodes: Sequence[Episode], *, max_tokens: int | None = None) -> list[str]:
         """The next model turn of each episode, in one engine call; "" for a truncated one."""
-        settings = self._settings(max_tokens, temperature)
-        requests = [episode.request(**settings) for episode in episodes]
+        requests = [episode.request(max_tokens=max_tokens or self.sampling.max_tokens,
+                                    temperature=self.sampling.temperature)
+                    for episode in episodes]
         live = [(episode, request) for episode, request in zip(episodes, requests) if request]
         samples = self.batcher.generate([r for _, r in live], self.order) if live else []
         texts = {id(episode): episode.take(group[0])
@@ -97,6 +93,13 @@ class Policy:
         with self.batcher.away(), ThreadPoolExecutor(n, thread_name_prefix="sample") as pool:
             futures = [pool.submit(one, index) for index in range(n)]
             return [future.result() for future in futures]
+
+    def client(self):
+        """An OpenAI-style client on this policy (reservoir.explorer.client): agent code that
+        takes an `openai.OpenAI` takes it; its `group(reward)` is the task's group."""
+        from reservoir.explorer.client import PolicyClient
+
+        return PolicyClient(self)
 
     def score(self, response: str, answer: str | None) -> tuple[float, Components]:
         """The task's reward of a response: (total, components)."""

@@ -66,28 +66,34 @@ def _bounded(value) -> float:
     return value
 
 
-def calculator(task, policy, max_calls: int = 2) -> list:
-    """n episodes of the task, stepped together: call, result, ..., answer."""
-    if not 0 <= max_calls <= 16:
-        raise ValueError(f"max_calls {max_calls}: use 0 to 16")
-    episodes = [policy.episode(task.prompt) for _ in range(policy.n)]
-    calls, answers = [0] * len(episodes), [""] * len(episodes)
-    live = list(range(len(episodes)))
-    while live:
-        texts = policy.reply([episodes[i] for i in live])
-        still = []
-        for i, text in zip(live, texts):
-            call = CALL.fullmatch(text.strip())
-            if call and not episodes[i].truncated and calls[i] < max_calls:
-                calls[i] += 1
-                episodes[i].add("tool", calculate(call.group(1)))
-                still.append(i)
-            elif not call and not episodes[i].truncated:
-                answers[i] = text
-        live = still
-    return [episode.experience(*policy.score(answer, task.answer),
-                               metadata={"tool_calls": n_calls})
-            for episode, answer, n_calls in zip(episodes, answers, calls)]
+class Calculator:
+    """The workflow: n episodes of a task, stepped together (call, result, ..., answer)."""
+
+    def __init__(self, max_calls: int = 2) -> None:
+        if isinstance(max_calls, bool) or not isinstance(max_calls, int) \
+                or not 0 <= max_calls <= 16:
+            raise ValueError(f"max_calls = {max_calls!r}: a whole number from 0 to 16")
+        self.max_calls = max_calls
+
+    def __call__(self, task, policy) -> list:
+        episodes = [policy.episode(task.prompt) for _ in range(policy.n)]
+        calls, answers = [0] * len(episodes), [""] * len(episodes)
+        live = list(range(len(episodes)))
+        while live:
+            texts = policy.reply([episodes[i] for i in live])
+            still = []
+            for i, text in zip(live, texts):
+                call = CALL.fullmatch(text.strip())
+                if call and not episodes[i].truncated and calls[i] < self.max_calls:
+                    calls[i] += 1
+                    episodes[i].add("tool", calculate(call.group(1)))
+                    still.append(i)
+                elif not call and not episodes[i].truncated:
+                    answers[i] = text
+            live = still
+        return [episode.experience(*policy.score(answer, task.answer),
+                                   metadata={"tool_calls": n_calls})
+                for episode, answer, n_calls in zip(episodes, answers, calls)]
 
 
 def calculator_tasks(n: int, *, seed: int = 0, test_fraction: float = 0.1,

@@ -6,8 +6,8 @@ and a `Policy` bound to the explorer's engine (reservoir.explorer.policy) and re
 group. `explorer.workflow` names it, `explorer.workflow_options` are its keyword options.
 
 Built in: `single_turn` (n samples of the prompt, scored by the reward function),
-`calculator` (the model calls a calculator tool; reservoir.explorer.tools) and `guess_number`
-(a multi-turn game with feedback each turn; reservoir.explorer.guess). Packages add their own
+`calculator` (the model calls a calculator tool; reservoir.explorer.tools.Calculator) and
+`guess_number` (a multi-turn game with feedback each turn; reservoir.explorer.guess). Packages add their own
 under the entry-point group `reservoir.workflows`, as reward functions do under
 `reservoir.rewards`.
 
@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # the runner's parts need torch; the registry and Task do not
     from reservoir.explorer.policy import Policy, Sampling
 
 WORKFLOWS: Registry = Registry("workflow", group="reservoir.workflows")
-WORKFLOWS.register_lazy("calculator", "reservoir.explorer.tools:calculator")
-WORKFLOWS.register_lazy("guess_number", "reservoir.explorer.guess:guess_number")
+WORKFLOWS.register_lazy("calculator", "reservoir.explorer.tools:Calculator")
+WORKFLOWS.register_lazy("guess_number", "reservoir.explorer.guess:GuessNumber")
 Workflow = Callable[..., list[Experience]]
 MAX_THREADS = 256  # tasks run side by side; more wait for the next round of threads
 
@@ -63,19 +63,35 @@ def single_turn(task: Task, policy: "Policy") -> list[Experience]:
             for sample in policy.sample(task.prompt)]
 
 
-def make_workflow(name: str, options: dict[str, Any] | None = None) -> Workflow:
+@dataclass(frozen=True)
+class Named:
+    """A workflow with its options bound, under its registered name (for messages)."""
+
+    name: str
+    function: Workflow
+
+    def __call__(self, task: Task, policy: "Policy") -> list[Experience]:
+        return self.function(task, policy)
+
+
+def make_workflow(name: str, options: dict[str, Any] | None = None) -> Named:
     """The named workflow with its options bound; a bad option is a ConfigError naming it."""
     found = WORKFLOWS.get(name)
     options = dict(options or {})
     try:
         if inspect.isclass(found):
             inspect.signature(found).bind(**options)
-            return found(**options)
-        inspect.signature(found).bind(None, None, **options)
+        else:
+            inspect.signature(found).bind(None, None, **options)
     except TypeError as exc:
         raise ConfigError(f"explorer.workflow_options: workflow {name!r} does not take them: "
                           f"{exc}") from None
-    return functools.partial(found, **options)
+    if not inspect.isclass(found):
+        return Named(name, functools.partial(found, **options))
+    try:  # a class checks its options as it is made
+        return Named(name, found(**options))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"explorer.workflow_options: workflow {name!r}: {exc}") from None
 
 
 def reward_of(task: Task, default: str) -> RewardFunction:
@@ -89,7 +105,7 @@ def explore(workflow: Workflow, tasks: Sequence[Task], batcher: "Batcher",
     """Each task's group, the tasks run side by side (their generation batched)."""
     from reservoir.explorer.policy import Policy
 
-    name = getattr(workflow, "func", workflow).__name__
+    name = getattr(workflow, "name", None) or getattr(workflow, "__name__", "workflow")
 
     def one(index: int, task: Task) -> list[Experience]:
         try:

@@ -42,6 +42,29 @@ class Call:
     logprobs: np.ndarray
     finish_reason: str
 
+    def experience(self, *, run: str, task_id: int | None, version: int,
+                   group_id: uuid.UUID, episode: str) -> Experience:
+        """The response as a row of its episode's group (reward 0 until `rewarded`): every
+        token is the model's (mask 1); its own version and the call are in metadata, the
+        group's version is its oldest response's."""
+        return Experience(
+            run=run, task_id=task_id, prompt_text=self.prompt_text,
+            response_text=self.response_text, prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids, reward=0.0, policy_version=version,
+            group_id=group_id, logprobs=self.logprobs,
+            action_mask=np.ones(len(self.response_ids), np.uint8),
+            metadata={"episode": episode, "call": self.call_id, "choice": self.choice,
+                      "policy_version": self.policy_version, "temperature": self.temperature,
+                      "finish_reason": self.finish_reason})
+
+
+def as_group(calls: Sequence[Call], *, run: str, task_id: int | None,
+             episode: str) -> list[Experience]:
+    """An episode's responses as one group (one new group id)."""
+    version, group_id = min(call.policy_version for call in calls), uuid.uuid4()
+    return [call.experience(run=run, task_id=task_id, version=version, group_id=group_id,
+                            episode=episode) for call in calls]
+
 
 def record_calls(conn: Connection, run_id: int, key: str, calls: Sequence[Call]) -> int:
     """Add a call's responses to the episode (opened by its first call); returns the episode's
@@ -74,8 +97,8 @@ class OpenEpisode:
 
 
 def open_episode(conn: Connection, run: str, run_id: int, key: str) -> OpenEpisode:
-    """The episode's recorded responses as a group of the run (one group id; the version of
-    its oldest response, each row's own in metadata). EpisodeUnknown / EpisodeClosed."""
+    """The episode's recorded responses as a group of the run (`as_group`).
+    EpisodeUnknown / EpisodeClosed."""
     found = conn.execute(select(episodes.c.id, episodes.c.status).where(
         episodes.c.run_id == run_id, episodes.c.key == key)).one_or_none()
     if found is None:
@@ -84,19 +107,13 @@ def open_episode(conn: Connection, run: str, run_id: int, key: str) -> OpenEpiso
         raise EpisodeClosed(f"episode {key!r}: its reward was reported already")
     rows = conn.execute(select(episode_calls).where(episode_calls.c.episode_id == found.id)
                         .order_by(episode_calls.c.id)).all()
-    version = min(row.policy_version for row in rows)
-    group_id = uuid.uuid4()
-    group = [Experience(
-        run=run, prompt_text=row.prompt_text, response_text=row.response_text,
-        prompt_ids=codec.decode(row.prompt_ids, codec.TOKEN),
-        response_ids=codec.decode(row.response_ids, codec.TOKEN), reward=0.0,
-        policy_version=version, group_id=group_id,
-        logprobs=codec.decode(row.logprobs, codec.LOGPROB),
-        action_mask=np.ones(len(row.response_ids) // 4, np.uint8),
-        metadata={"episode": key, "call": row.call_id, "choice": row.choice,
-                  "policy_version": row.policy_version, "temperature": row.temperature,
-                  "finish_reason": row.finish_reason}) for row in rows]
-    return OpenEpisode(found.id, key, [row.id for row in rows], group)
+    calls = [Call(row.call_id, row.choice, row.policy_version, row.temperature,
+                  row.prompt_text, row.response_text, codec.decode(row.prompt_ids, codec.TOKEN),
+                  codec.decode(row.response_ids, codec.TOKEN),
+                  codec.decode(row.logprobs, codec.LOGPROB), row.finish_reason)
+             for row in rows]
+    return OpenEpisode(found.id, key, [row.id for row in rows],
+                       as_group(calls, run=run, task_id=None, episode=key))
 
 
 def rewarded(episode: OpenEpisode, rewards: Sequence[float],
