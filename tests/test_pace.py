@@ -50,10 +50,10 @@ def test_claims_expire_and_finishing_counts_the_task_explored(store):
     run_id = _tasks(store, n=3)
     first, second = uuid.uuid4(), uuid.uuid4()
     claimed = _claim(store, run_id, 2, first, seconds=0.5)
-    assert [task_id for task_id, _, _ in claimed] == [1, 2]
-    assert [task_id for task_id, _, _ in _claim(store, run_id, 5, second)] == [3]
+    assert [task_id for task_id, *_ in claimed] == [1, 2]
+    assert [task_id for task_id, *_ in _claim(store, run_id, 5, second)] == [3]
     time.sleep(0.6)  # the first worker died: its claims expire
-    assert [task_id for task_id, _, _ in _claim(store, run_id, 5, second)] == [1, 2]
+    assert [task_id for task_id, *_ in _claim(store, run_id, 5, second)] == [1, 2]
     with store.engine.begin() as conn:
         assert finish_claims(conn, first, [1, 2]) == 0  # the dead worker's token holds nothing
         assert finish_claims(conn, second, [1, 3]) == 2
