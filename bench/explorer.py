@@ -3,7 +3,8 @@ where vLLM is installed, Reservoir's VLLMEngine against bare `vllm.LLM.generate`
 TransformersEngine.
 
 Same tiny local model, same chat-formatted prompts, same n samples per prompt, temperature and
-max_tokens, in the same run. Reservoir's side also returns per-token logprobs and trims each
+max_tokens, in the same run; the `reservoir workflow` side is an explorer's round (the
+single_turn workflow, a thread per task, generation batched, every sample scored). Reservoir's side also returns per-token logprobs and trims each
 response at its end-of-turn token; the bare transformers side is one `generate` call per chunk
 of prompts with the same batch size; the bare vLLM side is one `generate` call on the same `LLM`
 with the prompts as text, stopping at the end-of-turn token, without logprobs. Prints generated
@@ -26,8 +27,11 @@ from rich.console import Console
 from rich.table import Table
 
 from reservoir.chat import render
+from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.engine import TransformersEngine
+from reservoir.explorer.policy import Sampling
 from reservoir.explorer.tasks import reverse
+from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.models import TinySpec, build_tiny_model
 
 console = Console()
@@ -60,6 +64,16 @@ def chat_prompt(tokenizer, prompt: str) -> str:
 def reservoir_generate(engine, prompts, n, max_tokens, temperature) -> int:
     groups = engine.sample(prompts, n, temperature=temperature, max_tokens=max_tokens)
     return sum(len(s.response_ids) for group in groups for s in group)
+
+
+def workflow_generate(engine, prompts, n, max_tokens, temperature) -> int:
+    """What an explorer round does: the single_turn workflow over the prompts as tasks, a
+    thread each, their generation batched (Batcher), each sample scored into an Experience."""
+    with Batcher(engine) as batcher:
+        groups = explore(make_workflow("single_turn"), [Task(None, p, "") for p in prompts],
+                         batcher, Sampling(n, temperature, max_tokens), run="bench", version=0,
+                         reward="exact_match")
+    return sum(len(row.response_ids) for group in groups for row in group)
 
 
 def bare_vllm_generate(engine, prompts: list[str], n: int, max_tokens: int,
@@ -116,6 +130,7 @@ def main() -> None:
     engine = TransformersEngine(model)
     prompts = [row["prompt"] for row in reverse(args.prompts, seed=0)]
     pairs = [{"reservoir": (engine, reservoir_generate),
+              "reservoir workflow": (engine, workflow_generate),
               "bare generate": (engine, bare_generate)}, vllm_sides(model)]  # each on its own
     rates = {name: values for sides in pairs if sides for name, values
              in measure(sides, prompts, args).items()}
@@ -131,6 +146,9 @@ def main() -> None:
     ours, bare = median["reservoir"], median["bare generate"]
     print(f"explorer: reservoir {ours:,.0f} tokens/s | bare generate {bare:,.0f} tokens/s | "
           f"ratio {ours / bare:.2f} (target >= 0.9)")
+    flow = median["reservoir workflow"]
+    print(f"explorer workflow (threads, batcher, scoring): {flow:,.0f} tokens/s | bare "
+          f"generate {bare:,.0f} tokens/s | ratio {flow / bare:.2f} (target >= 0.9)")
     if "reservoir vLLM" in median:
         fast, bare = median["reservoir vLLM"], median["bare LLM.generate"]
         print(f"explorer (vLLM): reservoir {fast:,.0f} tokens/s | bare LLM.generate "

@@ -8,7 +8,10 @@ engine as one call, sorted by the callers' `order` keys: the batch's make-up and
 its samples under a seed, do not depend on thread timing. Callers that never registered (the
 HTTP server's requests) go with whatever is waiting when the engine is free.
 
-Only the batcher's thread touches the engine, so engines need not be thread-safe; `exclusive`
+Only the batcher's thread touches the engine, so engines need not be thread-safe. It runs
+with the torch thread count of the thread that made it: a new thread would otherwise compute
+with the OpenMP default, which OMP_NUM_THREADS sets (Ray sets 1 in its workers) whatever
+`torch.set_num_threads` said elsewhere, and `torch.get_num_threads()` would not show it; `exclusive`
 holds it between batches (to load new weights) and sets the `tag` (the policy version) that
 `generate_tagged` reports with each batch's samples.
 """
@@ -21,6 +24,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
+
+import torch
 
 from reservoir.explorer.engine import Engine, Request, Sample
 
@@ -41,6 +46,7 @@ class Batcher:
         self._participants = 0
         self._closed = False
         self._engine_lock = threading.Lock()
+        self._threads = torch.get_num_threads()
         self.tag = None
         self._thread = threading.Thread(target=self._serve, name="batcher", daemon=True)
         self._thread.start()
@@ -114,6 +120,7 @@ class Batcher:
                     self._lock.wait()
 
     def _serve(self) -> None:
+        torch.set_num_threads(self._threads)
         while (jobs := self._take()) is not None:
             requests = [request for job in jobs for request in job.requests]
             try:
