@@ -24,7 +24,7 @@ from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.models import build_tiny_model, load_model
 from reservoir.store import Experience
 from reservoir.trainer.batch import make_batch
-from reservoir.trainer.sft import conversation, sft_batch
+from reservoir.trainer.sft import conversation, demonstrations, sft_batch
 from reservoir.trainer.step import PRESETS, train_step
 
 
@@ -47,8 +47,9 @@ def calc_engine(model_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(120):
         start = (step * 32) % len(conversations)
-        train_step(model, optimizer, sft_batch(tokenizer, conversations[start:start + 32]),
-                   PRESETS["sft"], micro_batch=32)
+        batch = sft_batch(tokenizer.pad_token_id,
+                          demonstrations(tokenizer, conversations[start:start + 32]))
+        train_step(model, optimizer, batch, PRESETS["sft"], micro_batch=32)
     return TransformersEngine.of(model.eval(), tokenizer)
 
 
@@ -134,7 +135,8 @@ def test_sft_on_a_demonstration_trains_only_the_assistant_turns(engine):
     trained = "".join(d for d, m in zip(decoded, tokens.mask) if m)
     call, result = messages[1]["content"], messages[2]["content"]
     assert trained == f"{call}<|end|>{result}<|end|>"
-    batch = sft_batch(engine.tokenizer, [messages, conversation("Reverse: ab", "ba")])
+    batch = sft_batch(engine.tokenizer.pad_token_id, demonstrations(
+        engine.tokenizer, [messages, conversation("Reverse: ab", "ba")]))
     assert batch.mask.sum(1).tolist() == [len(call) + len(result) + 2, 3.0]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -123,12 +123,13 @@ def explore(workflow: Workflow, tasks: Sequence[Task], batcher: "Batcher",
             batcher.leave()
 
     groups: list[list[Experience]] = []
+    pool = batcher.callers(min(len(tasks), MAX_THREADS))
     for start in range(0, len(tasks), MAX_THREADS):
         chunk = tasks[start:start + MAX_THREADS]
         batcher.join(len(chunk))  # all of them before any starts: the first batch waits
-        with ThreadPoolExecutor(len(chunk), thread_name_prefix="workflow") as pool:
-            futures = [pool.submit(one, start + i, task) for i, task in enumerate(chunk)]
-            groups.extend(future.result() for future in futures)
+        futures = [pool.submit(one, start + i, task) for i, task in enumerate(chunk)]
+        wait(futures)  # every one ends (and leaves the batcher) before the next chunk
+        groups.extend(future.result() for future in futures)
     return groups
 
 

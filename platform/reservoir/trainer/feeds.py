@@ -28,7 +28,7 @@ from reservoir.store.runs import parent_of
 from reservoir.store.retry import Patience
 from reservoir.store.tasks import mark_explored, split_tasks
 from reservoir.trainer.batch import TrainBatch, make_batch
-from reservoir.trainer.sft import conversation, task_batch
+from reservoir.trainer.sft import conversation, demonstrations, task_batch
 from reservoir.trainer.stages import Stage
 from reservoir.trainer.stored import read_stored
 
@@ -179,10 +179,11 @@ class TaskFeed(Feed):
         with self.context.store.engine.begin() as conn:
             seen = sft_tasks(conn, self.context.config, self.context.run_id)
             mark_explored(conn, [task_id for task_id, *_ in seen])
-        self.conversations = [conversation(*row[1:]) for row in seen]
+        self.rows = demonstrations(self.context.tokenizer,
+                                   [conversation(*row[1:]) for row in seen])
 
     def _task_batch(self, step: int) -> TrainBatch:
-        return task_batch(self.context.tokenizer, self.conversations, self.stage.batch,
+        return task_batch(self.context.tokenizer.pad_token_id, self.rows, self.stage.batch,
                           seed=self.context.config.run.seed, step=step).to(self.context.device)
 
     def draw(self, step: int) -> Draw:

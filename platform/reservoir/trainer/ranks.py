@@ -47,7 +47,7 @@ from reservoir.store.runs import run_id_of
 from reservoir.trainer.batch import TrainBatch, make_batch
 from reservoir.trainer.learner import Learner
 from reservoir.trainer.seed import seed_everything
-from reservoir.trainer.sft import conversation, task_batch
+from reservoir.trainer.sft import conversation, demonstrations, task_batch
 from reservoir.trainer.feeds import sft_tasks
 from reservoir.trainer.stages import stage_at
 from reservoir.trainer.step import ONE, Ranks
@@ -298,9 +298,10 @@ class _Follower:
             if self.tasks is None:
                 with self.store.engine.connect() as conn:
                     run_id = run_id_of(conn, self.config.run.name)
-                    self.tasks = [conversation(*row[1:])
-                                  for row in sft_tasks(conn, self.config, run_id)]
-            batch = task_batch(learner.tokenizer, self.tasks, stage_at(learner.plan, step).batch,
+                    self.tasks = demonstrations(learner.tokenizer, [
+                        conversation(*row[1:]) for row in sft_tasks(conn, self.config, run_id)])
+            batch = task_batch(learner.tokenizer.pad_token_id, self.tasks,
+                               stage_at(learner.plan, step).batch,
                                seed=self.config.run.seed, step=step).to(self.device)
         learner.train(step, batch, self.ranks)
 

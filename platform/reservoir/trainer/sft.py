@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from reservoir.chat import Message, demonstration
+from reservoir.chat import Message, Tokens, demonstration
 from reservoir.trainer.batch import TrainBatch
 from reservoir.trainer.presets import PRESETS
 from reservoir.trainer.step import train_step
@@ -26,12 +26,17 @@ def conversation(prompt: str, answer: str | None, payload: dict | None = None) -
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer or ""}]
 
 
-def sft_batch(tokenizer, conversations: Sequence[Sequence[Message]]) -> TrainBatch:
-    """Chat-formatted conversations; only the assistant turns (each up to its end-of-turn
+def demonstrations(tokenizer, conversations: Sequence[Sequence[Message]]) -> list[Tokens]:
+    """Each conversation's tokens and mask, computed once for a stage (rendering a chat
+    template costs more than the step's batching)."""
+    return [demonstration(tokenizer, messages) for messages in conversations]
+
+
+def sft_batch(pad_id: int, rows: Sequence[Tokens]) -> TrainBatch:
+    """Right-padded conversations; only the assistant turns (each up to its end-of-turn
     token) train."""
-    rows = [demonstration(tokenizer, messages) for messages in conversations]
     width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width - 1))
     for i, row in enumerate(rows):
@@ -43,14 +48,13 @@ def sft_batch(tokenizer, conversations: Sequence[Sequence[Message]]) -> TrainBat
     return TrainBatch(ids, attention, mask, torch.zeros_like(mask), zeros, zeros.long())
 
 
-def task_batch(tokenizer, conversations: Sequence[Sequence[Message]], size: int, *, seed: int,
+def task_batch(pad_id: int, rows: Sequence[Tokens], size: int, *, seed: int,
                step: int) -> TrainBatch:
-    """Step `step`'s batch of an sft stage on tasks: `size` conversations drawn without
-    replacement by a generator seeded from (seed, step), so any rank, and a resumed trainer,
-    draws the same batch for the same step."""
+    """Step `step`'s batch of an sft stage on tasks: `size` of the stage's conversations
+    (`demonstrations`) drawn without replacement by a generator seeded from (seed, step), so
+    any rank, and a resumed trainer, draws the same batch for the same step."""
     rng = random.Random(f"{seed}:{step}")
-    return sft_batch(tokenizer, rng.sample(list(conversations),
-                                           min(size, len(conversations))))
+    return sft_batch(pad_id, rng.sample(list(rows), min(size, len(rows))))
 
 
 def supervised(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int,
@@ -58,11 +62,11 @@ def supervised(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int
     """`steps` AdamW steps of answer-token cross-entropy outside any run (benchmarks make start
     models with it; a run's sft stage draws the same batches through `task_batch`); returns
     each step's loss."""
-    conversations = [conversation(prompt, answer) for prompt, answer in pairs]
+    rows = demonstrations(tokenizer, [conversation(prompt, answer) for prompt, answer in pairs])
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     model.train()
-    return [train_step(model, optimizer, task_batch(tokenizer, conversations, batch_size,
+    return [train_step(model, optimizer, task_batch(tokenizer.pad_token_id, rows, batch_size,
                                                     seed=seed, step=step).to(device),
                        PRESETS["sft"], micro_batch=batch_size)["loss"]
             for step in range(1, steps + 1)]
