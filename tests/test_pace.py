@@ -84,3 +84,22 @@ def test_budget_is_zero_outside_explorer_stages_and_counts_from_the_stage_start(
         for step in (5, 6):
             record_step(conn, run_id, step, policy_version=2, metrics={}, stage="grpo")
     assert _budget(store, run_id, staged) == (2, 0)  # step 7 is the dpo stage's
+
+
+def test_groups_too_stale_to_train_do_not_hold_the_budget(store):
+    """Found by CI in an async run with two explorers: a slow explorer's groups of version 3
+    arrived after step 5 had trained (at version 4) on a faster one's; at version 5 they were
+    too stale for any lease (max_staleness 1), yet counted as waiting, so the budget stayed 0
+    and the run waited forever."""
+    run_id = _tasks(store)
+    async_pace = Pace(batch_groups=2, sync_interval=1, staleness=1, group_size=4, steps=6)
+    store.publish_version("paced", 0, train_step=0)
+    with store.engine.begin() as conn:
+        for step in range(1, 6):
+            record_step(conn, run_id, step, policy_version=step - 1, metrics={}, stage=None)
+    for version in range(1, 6):
+        store.publish_version("paced", version, train_step=version)
+    fill(store, "paced", 2, version=3)  # ready, but below 5 - 1: no lease takes them
+    assert _budget(store, run_id, async_pace) == (5, 2)  # step 6's two groups, freshly made
+    fill(store, "paced", 1, version=4, start_seed=10)  # still trainable: it counts
+    assert _budget(store, run_id, async_pace) == (5, 1)

@@ -22,7 +22,7 @@ from reservoir.explorer.engine import Request
 from reservoir.explorer.openai_api import (ApiError, completion, completion_id, finish_reason,
                                            parse_chat)
 from reservoir.store import Experience
-from reservoir.store.episodes import Call, as_group
+from reservoir.store.episodes import Call, as_group, rewarded
 
 MODEL = "policy"  # the model id completions carry; the one a request names is not checked
 
@@ -67,11 +67,8 @@ class PolicyClient:
         values = list(rewards) if rewards is not None else [reward] * len(self.calls)
         if len(values) != len(self.calls):
             raise ValueError(f"{len(self.calls)} responses, {len(values)} rewards")
-        group = as_group(self.calls, run=self.policy.run, task_id=self.policy.task_id,
-                         episode=f"task-{self.policy.task_id}")
-        for row, value in zip(group, values):
-            row.reward, row.reward_components = float(value), {"reward": float(value)}
-        return group
+        return rewarded(as_group(self.calls, run=self.policy.run, task_id=self.policy.task_id,
+                                 episode=f"task-{self.policy.task_id}"), values)
 
 
 class _Completions:

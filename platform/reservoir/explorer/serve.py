@@ -158,10 +158,10 @@ class Server:
         if len(rewards) != n:
             raise bad("rewards", f"episode {given.episode!r} has {n} responses; got "
                                  f"{len(rewards)} rewards")
-        components = [given.components or {"reward": reward} for reward in rewards]
+        components = [given.components] * n if given.components else None
         status = "raw" if self.config.pipelines else "ready"
-        written = self.store.write_groups([rewarded(episode, rewards, components)], status=status,
-                                          before_copy=closing(episode, given.reward))
+        written = self.store.write_groups([rewarded(episode.group, rewards, components)],
+                                          status=status, before_copy=closing(episode, given.reward))
         return {"episode_id": given.episode, "responses": written.rows, "status": status,
                 "group_id": str(written.group_ids[0]), "policy_version":
                 episode.group[0].policy_version}

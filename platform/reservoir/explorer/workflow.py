@@ -22,9 +22,7 @@ import functools
 import inspect
 from concurrent.futures import wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from reservoir.errors import ConfigError, ReservoirError, WorkflowError
 from reservoir.explorer.rewards import REWARDS, RewardFunction
@@ -57,7 +55,7 @@ class Task:
 
 
 @WORKFLOWS.register("single_turn")
-def single_turn(task: Task, policy: "Policy") -> list[Experience]:
+def single_turn(task: Task, policy: Policy) -> list[Experience]:
     """n samples of the prompt, each scored by the task's reward function."""
     return [policy.experience(task.prompt, sample, *policy.score(sample.text, task.answer))
             for sample in policy.sample(task.prompt)]
@@ -70,7 +68,7 @@ class Named:
     name: str
     function: Workflow
 
-    def __call__(self, task: Task, policy: "Policy") -> list[Experience]:
+    def __call__(self, task: Task, policy: Policy) -> list[Experience]:
         return self.function(task, policy)
 
 
@@ -99,8 +97,8 @@ def reward_of(task: Task, default: str) -> RewardFunction:
     return REWARDS.get(task.payload.get("reward") or default)
 
 
-def explore(workflow: Workflow, tasks: Sequence[Task], batcher: "Batcher",
-            sampling: "Sampling", *, run: str, version: int,
+def explore(workflow: Workflow, tasks: Sequence[Task], batcher: Batcher,
+            sampling: Sampling, *, run: str, version: int,
             reward: str) -> list[list[Experience]]:
     """Each task's group, the tasks run side by side (their generation batched)."""
     from reservoir.explorer.policy import Policy
@@ -133,7 +131,7 @@ def explore(workflow: Workflow, tasks: Sequence[Task], batcher: "Batcher",
     return groups
 
 
-def _checked(name: str, group, task: Task, policy: "Policy") -> list[Experience]:
+def _checked(name: str, group, task: Task, policy: Policy) -> list[Experience]:
     """A workflow's group: a non-empty list of experiences of this run, task and version."""
     if not isinstance(group, list) or not group or \
             not all(isinstance(row, Experience) for row in group):

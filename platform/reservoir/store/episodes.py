@@ -116,15 +116,16 @@ def open_episode(conn: Connection, run: str, run_id: int, key: str) -> OpenEpiso
                        as_group(calls, run=run, task_id=None, episode=key))
 
 
-def rewarded(episode: OpenEpisode, rewards: Sequence[float],
-             components: Sequence[dict[str, float]]) -> list[Experience]:
-    """The group with each response's reward and components."""
-    if len(rewards) != len(episode.group) or len(components) != len(episode.group):
-        raise StoreError(f"episode {episode.key!r} has {len(episode.group)} responses; got "
-                         f"{len(rewards)} rewards")
-    for row, reward, parts in zip(episode.group, rewards, components):
-        row.reward, row.reward_components = reward, dict(parts)
-    return episode.group
+def rewarded(group: list[Experience], rewards: Sequence[float],
+             components: Sequence[dict[str, float]] | None = None) -> list[Experience]:
+    """The group with each response's reward and its components ({"reward": r} unless
+    given)."""
+    if len(rewards) != len(group):
+        raise StoreError(f"{len(group)} responses, {len(rewards)} rewards")
+    parts = components or [{"reward": float(reward)} for reward in rewards]
+    for row, reward, named in zip(group, rewards, parts):
+        row.reward, row.reward_components = float(reward), dict(named)
+    return group
 
 
 def closing(episode: OpenEpisode, reward: float | None):

@@ -11,7 +11,8 @@ With staleness 0 (sync mode) explorers make exactly one version's worth of group
 L, then wait for L + 1: on-policy. With staleness s (async mode) they run at most s versions
 ahead, so no group is trained more than s versions after the policy that made it. Nothing is
 explored beyond the run's last step, and before version 0 is published (the trainer is still
-warming up) the budget is 0.
+warming up) the budget is 0. Waiting groups too stale for the next lease (a slow explorer's,
+overtaken by a faster one's) are not counted: they would hold the budget forever.
 
 A run of several stages (trainer/stages.py) counts the same way inside each stage that trains
 on explorers, from the stage's first step and the version published just before it; while a
@@ -58,10 +59,11 @@ def _progress(run_id: int):
     return select(step, claimed)
 
 
-def _versions(run_id: int, first: int):
+def _versions(run_id: int, first: int, staleness: int):
     """Statement: the latest version (-1 before any), the stage's first version (published
     after the step before its first; -1 until the trainer publishes it), and the rows
-    waiting that it or a later version made."""
+    waiting that the next lease can still take: made by the stage's first version or a later
+    one, and no staler than `staleness` (older ones never train, so they hold no budget)."""
     latest = (select(func.coalesce(func.max(policy_versions.c.version), -1))
               .where(policy_versions.c.run_id == run_id).scalar_subquery())
     start = (select(func.coalesce(func.max(policy_versions.c.version), -1))
@@ -70,7 +72,7 @@ def _versions(run_id: int, first: int):
     waiting = (select(func.count()).select_from(experiences)
                .where(experiences.c.run_id == run_id,
                       status_in(experiences.c.status, ("raw", "ready", "leased")),
-                      experiences.c.policy_version >= start)
+                      experiences.c.policy_version >= func.greatest(start, latest - staleness))
                .scalar_subquery())
     return select(latest, start, waiting)
 
@@ -88,7 +90,7 @@ def claim_budget(conn: Connection, run_id: int, pace: Pace) -> tuple[int | None,
     step, claimed = conn.execute(_progress(run_id)).one()
     stage = pace.stage_after(step)
     first = stage[0] if stage is not None else step + 1
-    version, start, waiting_rows = conn.execute(_versions(run_id, first)).one()
+    version, start, waiting_rows = conn.execute(_versions(run_id, first, pace.staleness)).one()
     if version < 0:
         return None, 0
     if stage is None or start < 0:
