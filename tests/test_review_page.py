@@ -16,7 +16,7 @@ from sqlalchemy import text
 
 from tests.factories import make_group
 from tests.test_recovery import query, start, wait_for
-from tests.test_serve import free_port
+from tests.test_serve import free_port, responds
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HOSTILE = "<script>document.title='owned'</script><b>bold?</b>"
@@ -53,18 +53,11 @@ def page_server(tmp_path, db_url):
     finally:
         del os.environ["RESERVOIR_REVIEW_TOKEN"], os.environ["RESERVOIR_DB_URL"]
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: process.poll() is not None or _up(url), timeout=120)
+    wait_for(lambda: process.poll() is not None or responds(f"{url}/login"), timeout=120)
     assert process.poll() is None, process.stdout.read()
     yield url
     os.killpg(process.pid, signal.SIGINT)
     process.communicate(timeout=60)
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/login", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture

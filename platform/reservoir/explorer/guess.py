@@ -16,6 +16,8 @@ import random
 import re
 from typing import Any
 
+from reservoir.explorer.workflow import whole_number
+
 NUMBER = re.compile(r"-?\d{1,9}")
 
 
@@ -37,10 +39,7 @@ class GuessNumber:
     guesses."""
 
     def __init__(self, max_turns: int = 6) -> None:
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) \
-                or not 1 <= max_turns <= 32:
-            raise ValueError(f"max_turns = {max_turns!r}: a whole number from 1 to 32")
-        self.max_turns = max_turns
+        self.max_turns = whole_number("max_turns", max_turns, 1, 32)
 
     def __call__(self, task, policy) -> list:
         secret = int(task.payload["secret"])

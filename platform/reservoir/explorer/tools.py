@@ -21,6 +21,8 @@ import random
 import re
 from typing import Any
 
+from reservoir.explorer.workflow import whole_number
+
 CALL = re.compile(r"CALC\s+(.{1,100})")
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
              ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
@@ -70,10 +72,7 @@ class Calculator:
     """The workflow: n episodes of a task, stepped together (call, result, ..., answer)."""
 
     def __init__(self, max_calls: int = 2) -> None:
-        if isinstance(max_calls, bool) or not isinstance(max_calls, int) \
-                or not 0 <= max_calls <= 16:
-            raise ValueError(f"max_calls = {max_calls!r}: a whole number from 0 to 16")
-        self.max_calls = max_calls
+        self.max_calls = whole_number("max_calls", max_calls, 0, 16)
 
     def __call__(self, task, policy) -> list:
         episodes = [policy.episode(task.prompt) for _ in range(policy.n)]

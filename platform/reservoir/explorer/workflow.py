@@ -92,6 +92,13 @@ def make_workflow(name: str, options: dict[str, Any] | None = None) -> Named:
         raise ConfigError(f"explorer.workflow_options: workflow {name!r}: {exc}") from None
 
 
+def whole_number(name: str, value: Any, low: int, high: int) -> int:
+    """A workflow option that is a count (not true/false, not 1.5), in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} = {value!r}: a whole number from {low} to {high}")
+    return value
+
+
 def reward_of(task: Task, default: str) -> RewardFunction:
     """The reward function a task names (its file's `reward` column), else the run's."""
     return REWARDS.get(task.payload.get("reward") or default)
