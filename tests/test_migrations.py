@@ -18,7 +18,7 @@ from reservoir.store import Store, migrate
 from reservoir.store.engine import sync_engine
 from reservoir.store.schema import metadata
 
-CORE_TABLES = {"runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items",
+CORE_TABLES = {"runs", "tasks", "experience_data", "experience_state", "policy_versions", "train_steps", "batch_items",
                "pipeline_runs", "operator_events", "validations", "schedules", "reviews",
                "preferences", "episodes", "episode_calls", "review_actions"}
 VIEWS = {"experiences", "experience_tokens", "run_steps", "lineage", "runs", "pipeline_runs",
@@ -55,6 +55,7 @@ def test_upgrade_empty_database_to_head_then_again_is_a_no_op(new_database, engi
     migrate.upgrade(engine)
     assert migrate.current_revision(engine) == migrate.head_revision()
     assert CORE_TABLES <= tables(engine) and analytics_views(engine) == VIEWS
+    assert "experiences" in inspect(engine).get_view_names()
     migrate.upgrade(engine)
     assert migrate.current_revision(engine) == migrate.head_revision()
 

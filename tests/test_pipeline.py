@@ -173,7 +173,7 @@ def test_source_where_is_read_only_and_bound(store):
     assert result.rows_in == 11  # 10 rows with reward 1, and NaN sorts above every number
     evil = parse_pipeline({**CLEAN, "process": [], "source": {
         "runs": ["p"], "status": ["ready"],
-        "where": "setval('experiences_id_seq', 1) > 0"}})  # a write, refused
+        "where": "setval('experience_data_id_seq', 1) > 0"}})  # a write, refused
     with pytest.raises(PipelineFailed, match="read-only transaction"):
         run_pipeline(store, evil)
     assert rows(store, "SELECT count(*) FROM experiences") == [(20,)]

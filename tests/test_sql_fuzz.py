@@ -24,7 +24,7 @@ PAYLOADS = [
     "DROP TABLE t", "CREATE TABLE public.probe(x int)", "DELETE FROM experiences",
     "UPDATE experiences SET status = 'ready'", "INSERT INTO runs (name) VALUES ('evil')",
     "TRUNCATE batch_items", "SELECT lo_from_bytea(0, 'x')", "SELECT lo_create(0)",
-    "SELECT setval('experiences_id_seq', 1)", "CREATE TEMP TABLE tt(x int)",
+    "SELECT setval('experience_data_id_seq', 1)", "CREATE TEMP TABLE tt(x int)",
     "SELECT pg_notify('reservoir_policy', '1:9')",
     "SELECT set_config('role', session_user, false), (SELECT x FROM public.t)",
     "SELECT query_to_xml('SELECT x FROM public.t', true, false, '')",
@@ -46,7 +46,7 @@ WHERE_BASES = [
     "true) OR (status = 'consumed'", "true) UNION SELECT id FROM experiences WHERE (true",
     "1 = 1) --", "true --", "true /*", "true */", "'a' = 'a') OR ('a' = 'a'",
     "$$ ) OR true $$ = ''", "E'\\'' = '' ) OR (true", '")" IS NULL', "true;",
-    "lo_from_bytea(0, 'x') > 0", "setval('experiences_id_seq', 1) > 0",
+    "lo_from_bytea(0, 'x') > 0", "setval('experience_data_id_seq', 1) > 0",
     "set_config('default_transaction_read_only', 'off', false) IS NOT NULL",
     "pg_sleep(5) IS NULL", "(SELECT count(*) FROM (DELETE FROM t RETURNING 1) d) > 0",
     "id IN (SELECT id FROM experiences)", "(SELECT lo_create(0)) > 0",
@@ -76,7 +76,7 @@ def fingerprint(url: str) -> str:
           (SELECT count(*) FROM pg_largeobject_metadata),
           (SELECT string_agg(proname, ',' ORDER BY proname) FROM pg_proc
              WHERE pronamespace = 'public'::regnamespace),
-          (SELECT last_value FROM runs_id_seq), (SELECT last_value FROM experiences_id_seq)))""")
+          (SELECT last_value FROM runs_id_seq), (SELECT last_value FROM experience_data_id_seq)))""")
 
 
 @pytest.fixture

@@ -18,11 +18,15 @@ from reservoir.errors import ConfigError
 from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import PipelineSpec, load_pipeline
 from reservoir.store import Store
+from reservoir.store.notify import Listener, rows_channel
 from reservoir.store.pipelines import has_rows
 from reservoir.store.retry import Patience
 from reservoir.store.runs import run_id_of, status_of
 
-POLL_S = 0.2
+# Rows written to a run notify its channel, which wakes the stream at once; the poll is a
+# fallback (and the only wake-up of a stream over every run, which has no channel to listen on).
+POLL_S = 0.5
+ALL_RUNS_POLL_S = 0.2
 DONE = ("finished", "stopped", "failed")
 
 
@@ -61,13 +65,15 @@ class PipelineWorker:
         with Store.open(self.config, quiet=True) as store:
             with store.engine.connect() as conn:
                 run_ids = [run_id_of(conn, name) for name in runs]
-            while not self._stop.is_set():  # a pass lost to a restart is simply run again
-                outcome = patience(lambda: self._pass(store, spec, runs, run_ids, stats),
-                                   f"pipeline {spec.name}")
-                if outcome == "ended":
-                    break
-                if outcome == "idle":
-                    self._stop.wait(POLL_S)
+            wait_s = POLL_S if run_ids else ALL_RUNS_POLL_S
+            with Listener(store.engine, *[rows_channel(r) for r in run_ids]) as listener:
+                while not self._stop.is_set():  # a pass lost to a restart is simply run again
+                    outcome = patience(lambda: self._pass(store, spec, runs, run_ids, stats),
+                                       f"pipeline {spec.name}")
+                    if outcome == "ended":
+                        break
+                    if outcome == "idle":
+                        listener.wait(wait_s)
         return stats
 
     def _pass(self, store: Store, spec: PipelineSpec, runs: list[str], run_ids: list[int],

@@ -20,7 +20,7 @@ from reservoir.store.schema import batch_items, batch_pairs, preferences, train_
 # per consumed experience joins the two. It returns one row per ledger entry written.
 COMMIT_STEP = text("""
 WITH consumed AS (
-    UPDATE experiences
+    UPDATE experience_state
     SET status = 'consumed', times_sampled = times_sampled + 1,
         lease_token = NULL, leased_until = NULL
     WHERE lease_token = :token

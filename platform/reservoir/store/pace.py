@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, func, select
 
 from reservoir.store.sampler import status_in
-from reservoir.store.schema import experiences, policy_versions, runs, tasks, train_steps
+from reservoir.store.schema import experience_state as state, policy_versions, runs, tasks, train_steps
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,10 @@ def _versions(run_id: int, first: int, staleness: int):
     start = (select(func.coalesce(func.max(policy_versions.c.version), -1))
              .where(policy_versions.c.run_id == run_id,
                     policy_versions.c.train_step == first - 1).scalar_subquery())
-    waiting = (select(func.count()).select_from(experiences)
-               .where(experiences.c.run_id == run_id,
-                      status_in(experiences.c.status, ("raw", "ready", "leased")),
-                      experiences.c.policy_version >= func.greatest(start, latest - staleness))
+    waiting = (select(func.count()).select_from(state)
+               .where(state.c.run_id == run_id,
+                      status_in(state.c.status, ("raw", "ready", "leased")),
+                      state.c.policy_version >= func.greatest(start, latest - staleness))
                .scalar_subquery())
     return select(latest, start, waiting)
 

@@ -20,6 +20,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from reservoir.store.ledger import finite
 from reservoir.store.runs import add_inserted
 from reservoir.store.urls import scrub
+from reservoir.store.schema import experience_state as state
 from reservoir.store.schema import (experiences, operator_events, pipeline_runs, reviews, runs, tasks,
                                     validations)
 
@@ -81,16 +82,16 @@ def finish_run(conn: Connection, run_id: int, *, status: str, duration_s: float,
 
 def has_rows(conn: Connection, run_ids: Sequence[int], statuses: Sequence[str]) -> bool:
     """Whether any experience of these runs is in these statuses (a stream's cheap check)."""
-    stmt = select(experiences.c.id).where(experiences.c.status.in_(list(statuses))).limit(1)
+    stmt = select(state.c.id).where(state.c.status.in_(list(statuses))).limit(1)
     if run_ids:
-        stmt = stmt.where(experiences.c.run_id.in_(list(run_ids)))
+        stmt = stmt.where(state.c.run_id.in_(list(run_ids)))
     return conn.execute(stmt).first() is not None
 
 
 def lock_unchanged(conn: Connection, ids: list[int], statuses: dict[int, str]) -> set[int]:
     """Lock the rows still in the status they were read in; others changed meanwhile."""
-    rows = conn.execute(select(experiences.c.id, experiences.c.status)
-                        .where(experiences.c.id.in_(ids)).with_for_update())
+    rows = conn.execute(select(state.c.id, state.c.status)
+                        .where(state.c.id.in_(ids)).with_for_update())
     return {row.id for row in rows if statuses.get(row.id) == row.status}
 
 
@@ -98,6 +99,7 @@ def apply(conn: Connection, pipeline_run_id: int, changes: Changes) -> None:
     """Write a pipeline's decisions (the caller's transaction makes them one)."""
     _update_experiences(conn, changes)
     _quarantine_partners(conn, changes)
+    _notify_changed(conn, changes)
     _insert_children(conn, changes)
     if changes.task_values:
         for task_id, values in changes.task_values.items():
@@ -138,6 +140,18 @@ WHERE e.id = v.id
     bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)),
     bindparam("response_ids", type_=ARRAY(LargeBinary)),
     bindparam("action_mask", type_=ARRAY(LargeBinary)))
+
+
+NOTIFY_CHANGED = text("""
+SELECT count(pg_notify(concat('reservoir_rows_', run_id), 'changed'))
+FROM (SELECT DISTINCT run_id FROM experience_state WHERE id = ANY(:ids)) AS changed
+""").bindparams(bindparam("ids", type_=ARRAY(BigInteger)))
+
+
+def _notify_changed(conn: Connection, changes: Changes) -> None:
+    """Wake whoever waits on the changed rows' runs (leases waiting for ready rows)."""
+    if changes.statuses:
+        conn.execute(NOTIFY_CHANGED, {"ids": sorted(changes.statuses)})
 
 
 def _update_experiences(conn: Connection, changes: Changes) -> None:
@@ -185,7 +199,7 @@ RETURNING id, parent_id, run_id
 
 
 QUARANTINE_PARTNERS = text("""
-UPDATE experiences e SET status = 'quarantined'
+UPDATE experience_state e SET status = 'quarantined'
 FROM unnest(:groups, :reasons) AS g (group_id, reason)
 WHERE e.group_id = g.group_id AND e.status IN ('raw', 'ready') AND e.id <> ALL(:decided)
 RETURNING e.id, e.group_id, g.reason

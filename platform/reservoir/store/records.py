@@ -50,8 +50,9 @@ class Experience:
 
 
 # Column order of the tuples ShapedGroup.encode returns (the writer prefixes run_id, group_id, status).
+# What a row of experience_data holds beside its id and run (the writer adds those).
 ROW_COLUMNS = (
-    "task_id", "policy_version", "prompt_text", "response_text", "prompt_ids", "response_ids",
+    "task_id", "prompt_text", "response_text", "prompt_ids", "response_ids",
     "logprobs", "action_mask", "reward", "reward_components", "metadata", "parent_id",
 )
 
@@ -239,7 +240,7 @@ class ShapedGroup:
     def encode(self) -> list[tuple]:
         """Column values in ROW_COLUMNS order."""
         return [
-            (exp.task_id, int(exp.policy_version), exp.prompt_text, exp.response_text,
+            (exp.task_id, exp.prompt_text, exp.response_text,
              codec.encode(row.prompt_ids, codec.TOKEN), codec.encode(row.response_ids, codec.TOKEN),
              None if row.logprobs is None else codec.encode(row.logprobs, codec.LOGPROB),
              None if row.action_mask is None else codec.encode(row.action_mask, codec.MASK),

@@ -12,7 +12,7 @@ from sqlalchemy.orm import aliased
 
 from reservoir.errors import StoreError
 from reservoir.store.preferences import Pair, insert_pairs
-from reservoir.store.schema import experiences, preferences, review_actions, reviews, runs
+from reservoir.store.schema import experience_state, experiences, preferences, review_actions, reviews, runs
 
 VERDICT_STATUS = {"accept": "ready", "reject": "quarantined"}
 SOURCES = ("web", "cli")
@@ -63,8 +63,8 @@ def label(conn: Connection, review_id: int, *, verdict: str, reviewer: str,
                 labelled_at=func.now()).returning(reviews.c.experience_id)).scalar()
     if experience_id is None:
         raise StoreError(f"review {review_id} does not exist or is already labelled")
-    conn.execute(update(experiences).where(experiences.c.id == experience_id,
-                                           experiences.c.status == "held")
+    conn.execute(update(experience_state).where(experience_state.c.id == experience_id,
+                                                experience_state.c.status == "held")
                  .values(status=VERDICT_STATUS[verdict]))
     _log(conn, reviewer=reviewer, action=verdict, source=source, review_id=review_id,
          experience_id=experience_id, detail={"label": values})

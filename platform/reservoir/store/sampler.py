@@ -7,7 +7,7 @@ reclaimed by the next lease call, so a trainer killed while holding one loses no
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import functools
 import json
 import time
@@ -26,15 +26,19 @@ from reservoir.config import SamplerConfig
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
 from reservoir.store import codec, runs
 from reservoir.store.flow import RateLimit
-from reservoir.store.schema import EXPERIENCE_STATUSES, experiences as e
+from reservoir.store.notify import NOTIFY_ROWS, AsyncWake, rows_channel
+from reservoir.store.schema import EXPERIENCE_STATUSES, experience_data as d
+from reservoir.store.schema import experience_state as e
 from reservoir.store.schema import runs as runs_table
 
+# Leases read and change `experience_state` (e), the narrow row: a lease and a commit rewrite
+# ~100 bytes a row, never the ~2 KB of `experience_data` (d), which a lease only reads.
 # A group with a row in these states is not complete yet. A row held for review is not among
 # them: people may take days, so the rest of its group trains as a partial group (the lease
 # reports it, the step's metrics count it).
 SETTLING = ("raw", "leased")
 # fifo / lifo order by insertion time, then id: only the partial index experiences_ready
-# (run_id, created_at, id) WHERE status = 'ready' serves that order, so the planner cannot pick
+# (run_id, created_at, id) WHERE status = 'ready' (experience_state_ready) serves that order, so the planner cannot pick
 # a primary-key scan that walks every consumed row ahead of the ready ones.
 ORDERS = {
     "fifo": (e.c.created_at.asc(), e.c.id.asc()),
@@ -120,12 +124,27 @@ class _NotYet(Exception):
 
 
 _mates = e.alias("mates")
-GROUP_ROWS = (select(func.count()).where(_mates.c.group_id == e.c.group_id)
-              .scalar_subquery().label("group_rows"))
-RETURNED = (e.c.id, e.c.run_id, e.c.task_id, e.c.group_id, e.c.policy_version, e.c.reward,
-            e.c.reward_components.cast(Text).label("reward_components"), e.c.times_sampled,
-            e.c.prompt_ids, e.c.response_ids, e.c.logprobs, e.c.action_mask, e.c.shaped_reward,
-            GROUP_ROWS, e.c.leased_until)
+STATE_RETURNED = (e.c.id, e.c.run_id, e.c.group_id, e.c.policy_version, e.c.times_sampled,
+                  e.c.leased_until)
+
+
+def _returned(leased):
+    """The columns a lease carries, from the leased state rows (a CTE) and their data rows."""
+    return (leased.c.id, leased.c.run_id, d.c.task_id, leased.c.group_id, leased.c.policy_version,
+            d.c.reward, d.c.reward_components.cast(Text).label("reward_components"),
+            leased.c.times_sampled, d.c.prompt_ids, d.c.response_ids, d.c.logprobs,
+            d.c.action_mask, d.c.shaped_reward,
+            select(func.count()).where(_mates.c.group_id == leased.c.group_id)
+            .scalar_subquery().label("group_rows"), leased.c.leased_until)
+
+
+def _with_data(leased):
+    """Statement: the leased rows joined to their data, with the sampled counter updated."""
+    return (select(*_returned(leased)).join_from(leased, d, d.c.id == leased.c.id)
+            .add_cte(count_sampled(leased, 1)))
+
+
+RETURNED = _returned(e)
 FIELDS = len(RETURNED) - 1  # what a LeasedExperience holds (all but leased_until)
 
 
@@ -179,8 +198,8 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
         picked = (select(e.c.id).where(where).order_by(*ORDERS[flow.order])
                   .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
         leased = (update(e).where(e.c.id == picked.c.id).values(**lease_values)
-                  .returning(*RETURNED).cte("leased"))
-        return select(leased).add_cte(count_sampled(leased, 1))
+                  .returning(*STATE_RETURNED).cte("leased"))
+        return _with_data(leased)
     other = e.alias("other")
     leader = ~exists().where(
         other.c.group_id == e.c.group_id,
@@ -189,8 +208,8 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
     picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
               .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
     leased = (update(e).where(e.c.group_id == picked.c.group_id, _eligible(e, flow))
-              .values(**lease_values).returning(*RETURNED).cte("leased"))
-    return select(leased).add_cte(count_sampled(leased, 1))
+              .values(**lease_values).returning(*STATE_RETURNED).cte("leased"))
+    return _with_data(leased)
 
 
 def _to_leased(row) -> LeasedExperience:
@@ -231,6 +250,7 @@ async def reclaim_expired(conn: AsyncConnection, limit: int = 10_000) -> int:
 async def release(engine: AsyncEngine, lease: Lease) -> int:
     """Hand a lease's rows back unconsumed; returns how many were still held."""
     async with engine.begin() as conn:
+        await conn.execute(NOTIFY_ROWS, {"run_ids": list(lease.run_ids), "what": "released"})
         return (await conn.execute(RELEASE, {"token": lease.token})).scalar()
 
 
@@ -249,8 +269,8 @@ async def release_runs(engine: AsyncEngine, run_ids: Sequence[int]) -> int:
 async def fetch(engine: AsyncEngine, ids: Sequence[int]) -> list[LeasedExperience]:
     """Rows by id, in id order, as a lease carries them (for replaying a committed step)."""
     async with engine.connect() as conn:
-        result = await conn.execute(select(*RETURNED[:FIELDS]).where(e.c.id.in_(list(ids)))
-                                    .order_by(e.c.id))
+        result = await conn.execute(select(*RETURNED[:FIELDS]).join_from(e, d, d.c.id == e.c.id)
+                                    .where(e.c.id.in_(list(ids))).order_by(e.c.id))
         return [_to_leased(row) for row in result]
 
 
@@ -306,6 +326,8 @@ async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min
         if not limit.can_sample(inserted, sampled, len(leased)):
             raise _NotYet(f"samples_per_insert: inserted {inserted}, sampled {sampled}; "
                           f"trainer is ahead of the explorers")
+    if limit is not None:  # writers waiting for room may write now
+        await conn.execute(NOTIFY_ROWS, {"run_ids": list(run_ids), "what": "leased"})
     leased.sort(key=lambda row: row.id)
     return Lease(token, tuple(run_ids), tuple(_to_leased(row) for row in leased),
                  leased[0].leased_until)
@@ -327,18 +349,24 @@ async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None
         RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready).check_sample_size(rows)
     timeout = flow.wait_timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            async with engine.begin() as conn:
-                return await _lease_once(conn, run_ids, rows=rows, groups=groups, flow=flow,
-                                         min_policy_version=min_policy_version,
-                                         allow_partial=allow_partial)
-        except _NotYet as not_yet:
-            if time.monotonic() >= deadline:
-                raise FlowControlTimeout(
-                    f"waited {timeout:g}s for a lease of {rows or groups} "
-                    f"{'rows' if rows else 'groups'}: {not_yet}") from None
-        await asyncio.sleep(flow.poll_interval_s)
+    async with contextlib.AsyncExitStack() as waiting:
+        wake = None
+        while True:
+            try:
+                async with engine.begin() as conn:
+                    return await _lease_once(conn, run_ids, rows=rows, groups=groups, flow=flow,
+                                             min_policy_version=min_policy_version,
+                                             allow_partial=allow_partial)
+            except _NotYet as not_yet:
+                if time.monotonic() >= deadline:
+                    raise FlowControlTimeout(
+                        f"waited {timeout:g}s for a lease of {rows or groups} "
+                        f"{'rows' if rows else 'groups'}: {not_yet}") from None
+            if wake is None:  # listen only once a lease has to wait: rows written wake it
+                wake = await waiting.enter_async_context(
+                    AsyncWake(engine, [rows_channel(r) for r in run_ids]))
+                continue  # rows written before the LISTEN began are looked for once more
+            await wake.wait(flow.poll_interval_s)
 
 
 async def retire(engine: AsyncEngine, run_ids: Sequence[int], flow: SamplerConfig) -> int:
@@ -358,22 +386,26 @@ async def retire(engine: AsyncEngine, run_ids: Sequence[int], flow: SamplerConfi
 
 SET_ASIDE = text("""
 WITH aside AS (
-    UPDATE experiences
-    SET status = 'retired', lease_token = NULL, leased_until = NULL,
-        metadata = metadata || jsonb_build_object('set_aside', CAST(:reason AS text))
+    UPDATE experience_state
+    SET status = 'retired', lease_token = NULL, leased_until = NULL
     WHERE lease_token = :token AND group_id = ANY(:groups)
-    RETURNING run_id
+    RETURNING id, run_id
+), noted AS (
+    UPDATE experience_data d
+    SET metadata = d.metadata || jsonb_build_object('set_aside', CAST(:reason AS text))
+    FROM aside WHERE d.id = aside.id
+    RETURNING d.id
 ), per_run AS (
     SELECT run_id, count(*) AS n FROM aside GROUP BY run_id
 ), counted AS (
     UPDATE runs SET rows_sampled = rows_sampled - per_run.n FROM per_run
     WHERE runs.id = per_run.run_id RETURNING runs.id
 )
-SELECT (SELECT count(*) FROM aside), (SELECT count(*) FROM counted)
+SELECT (SELECT count(*) FROM aside), (SELECT count(*) FROM noted), (SELECT count(*) FROM counted)
 """).bindparams(bindparam("token", type_=UUID(as_uuid=True)),
                 bindparam("groups", type_=ARRAY(UUID(as_uuid=True))))
 JOIN = text("""
-UPDATE experiences SET lease_token = :into, leased_until = LEAST(leased_until, :until)
+UPDATE experience_state SET lease_token = :into, leased_until = LEAST(leased_until, :until)
 WHERE lease_token = :other
 """).bindparams(bindparam("into", type_=UUID(as_uuid=True)),
                 bindparam("other", type_=UUID(as_uuid=True)))

@@ -98,15 +98,19 @@ policy_versions = Table(
     UniqueConstraint("run_id", "version", name="policy_versions_run_version"),
 )
 
-experiences = Table(
-    "experiences",
+# An experience is two rows. `experience_data` holds what is written once (texts, token ids,
+# logprobs, mask, rewards: ~2 KB); `experience_state` holds what a lease and a step commit change
+# (status, lease, times sampled) and what the sampler orders and filters by (~100 bytes), so a
+# lease and a commit rewrite only the narrow row. The view `experiences` joins the two under the
+# old column names; inserts, updates and deletes through it go to the right table (triggers of
+# migration 0012), and an update of a row's state through it fails if the state changed since
+# the statement read it.
+experience_data = Table(
+    "experience_data",
     metadata,
     Column("id", BigInteger, primary_key=True),
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="SET NULL")),
-    Column("group_id", UUID(as_uuid=True), nullable=False),
-    Column("group_row", SmallInteger, nullable=False),
-    Column("policy_version", Integer, nullable=False),
     Column("prompt_text", Text, nullable=False),
     Column("response_text", Text, nullable=False),
     Column("prompt_ids", LargeBinary, nullable=False),
@@ -117,35 +121,67 @@ experiences = Table(
     Column("shaped_reward", Float),
     Column("reward_components", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("metadata", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("parent_id", BigInteger, ForeignKey("experience_data.id", ondelete="SET NULL")),
+    Column("prompt_len", Integer, Computed("length(prompt_ids) / 4", persisted=True)),
+    Column("response_len", Integer, Computed("length(response_ids) / 4", persisted=True)),
+    Index("experience_data_run", "run_id"),
+    Index("experience_data_task", "task_id"),
+    Index("experience_data_parent", "parent_id", postgresql_where=text("parent_id IS NOT NULL")),
+)
+
+experience_state = Table(
+    "experience_state",
+    metadata,
+    Column("id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("group_id", UUID(as_uuid=True), nullable=False),
+    Column("group_row", SmallInteger, nullable=False),
+    Column("policy_version", Integer, nullable=False),
     Column("status", Text, nullable=False, server_default="ready"),
     Column("priority", Float, nullable=False, server_default="0"),
     Column("times_sampled", Integer, nullable=False, server_default="0"),
     Column("lease_token", UUID(as_uuid=True)),
     Column("leased_until", DateTime(timezone=True)),
-    Column("parent_id", BigInteger, ForeignKey("experiences.id", ondelete="SET NULL")),
-    Column("prompt_len", Integer, Computed("length(prompt_ids) / 4", persisted=True)),
-    Column("response_len", Integer, Computed("length(response_ids) / 4", persisted=True)),
     _now(),
-    CheckConstraint(f"status IN {EXPERIENCE_STATUSES}", name="experiences_status_valid"),
+    CheckConstraint(f"status IN {EXPERIENCE_STATUSES}", name="experience_state_status_valid"),
     CheckConstraint(
-        "(status = 'leased') = (lease_token IS NOT NULL)", name="experiences_lease_iff_leased"
+        "(status = 'leased') = (lease_token IS NOT NULL)", name="experience_state_lease_iff_leased"
     ),
-    CheckConstraint("group_row >= 0", name="experiences_group_row_valid"),
-    Index("experiences_ready", "run_id", "created_at", "id", postgresql_where=text("status = 'ready'")),
+    CheckConstraint("group_row >= 0", name="experience_state_group_row_valid"),
+    Index("experience_state_ready", "run_id", "created_at", "id",
+          postgresql_where=text("status = 'ready'")),
     Index(
-        "experiences_ready_priority",
+        "experience_state_ready_priority",
         "run_id",
         text("priority DESC"),
         "id",
         postgresql_where=text("status = 'ready'"),
     ),
-    Index("experiences_leased", "leased_until", postgresql_where=text("status = 'leased'")),
-    Index("experiences_group_row", "group_id", "group_row", unique=True),
-    Index("experiences_run_status", "run_id", "status"),
-    Index("experiences_task", "task_id"),
-    Index("experiences_lease_token", "lease_token", postgresql_where=text("lease_token IS NOT NULL")),
-    Index("experiences_parent", "parent_id", postgresql_where=text("parent_id IS NOT NULL")),
+    Index("experience_state_leased", "leased_until", postgresql_where=text("status = 'leased'")),
+    Index("experience_state_group_row", "group_id", "group_row", unique=True),
+    Index("experience_state_run_status", "run_id", "status"),
+    Index("experience_state_lease_token", "lease_token",
+          postgresql_where=text("lease_token IS NOT NULL")),
 )
+
+# The view: every column of an experience under one name, in this order (declared here for
+# queries, not created by `metadata`: migration 0012 creates it).
+EXPERIENCE_COLUMNS = ("id", "run_id", "task_id", "group_id", "group_row", "policy_version",
+                      "prompt_text", "response_text", "prompt_ids", "response_ids", "logprobs",
+                      "action_mask", "reward", "shaped_reward", "reward_components", "metadata",
+                      "status", "priority", "times_sampled", "lease_token", "leased_until",
+                      "parent_id", "prompt_len", "response_len", "created_at")
+STATE_COLUMNS = tuple(c.name for c in experience_state.columns if c.name not in ("id", "run_id"))
+DATA_COLUMNS = tuple(c.name for c in experience_data.columns if c.name not in ("id", "run_id"))
+
+
+def _view_column(name: str) -> Column:
+    table = experience_state if name in STATE_COLUMNS else experience_data
+    return Column(name, table.c[name].type)
+
+
+experiences = Table("experiences", MetaData(), *(_view_column(name) for name in EXPERIENCE_COLUMNS))
 
 train_steps = Table(
     "train_steps",
@@ -167,7 +203,7 @@ batch_items = Table(
     metadata,
     Column("train_step_id", BigInteger, ForeignKey("train_steps.id", ondelete="CASCADE"),
            nullable=False),
-    Column("experience_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE"),
+    Column("experience_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
            nullable=False),
     Column("policy_version", Integer, nullable=False),
     Column("weight", Float, nullable=False, server_default="1"),
@@ -208,7 +244,7 @@ operator_events = Table(
     Column("id", BigInteger, primary_key=True),
     Column("pipeline_run_id", BigInteger, ForeignKey("pipeline_runs.id", ondelete="CASCADE"),
            nullable=False),
-    Column("experience_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE")),
+    Column("experience_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE")),
     Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="CASCADE")),
     Column("operator", Text, nullable=False),
     Column("kind", Text, nullable=False),
@@ -255,7 +291,7 @@ reviews = Table(
     "reviews",
     metadata,
     Column("id", BigInteger, primary_key=True),
-    Column("experience_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE"),
+    Column("experience_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
            nullable=False, unique=True),
     Column("pipeline_run_id", BigInteger, ForeignKey("pipeline_runs.id", ondelete="SET NULL")),
     Column("reason", Text),
@@ -275,9 +311,9 @@ preferences = Table(
     metadata,
     Column("id", BigInteger, primary_key=True),
     Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="CASCADE")),
-    Column("chosen_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE"),
+    Column("chosen_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
            nullable=False),
-    Column("rejected_id", BigInteger, ForeignKey("experiences.id", ondelete="CASCADE"),
+    Column("rejected_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
            nullable=False),
     Column("source", Text),
     _now(),
@@ -357,7 +393,7 @@ review_actions = Table(
     Column("action", Text, nullable=False),
     Column("source", Text, nullable=False),
     Column("review_id", BigInteger, ForeignKey("reviews.id", ondelete="SET NULL")),
-    Column("experience_id", BigInteger, ForeignKey("experiences.id", ondelete="SET NULL")),
+    Column("experience_id", BigInteger, ForeignKey("experience_data.id", ondelete="SET NULL")),
     Column("preference_id", BigInteger, ForeignKey("preferences.id", ondelete="SET NULL")),
     Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     _now(),

@@ -1,5 +1,10 @@
 """Writing groups of experiences: validated first, then COPY in one transaction.
 
+A row is two rows (schema.py): its data and its state, each sent by one COPY, with ids drawn
+from the data table's sequence in one statement first. Rows are encoded while the server
+takes the COPY (the records are a generator asyncpg reads chunk by chunk), so Python's
+encoding and the server's insert work overlap.
+
 Rules checked before anything is written: every field has its type; token, logprob and mask
 lengths agree; the reward and its components are finite, logprobs finite as stored (float32)
 and <= 0; texts are valid Unicode without NUL and the response is not empty; the run exists; a
@@ -11,7 +16,6 @@ only: every later status belongs to the sampler, the ledger and pipelines.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections import Counter
@@ -27,11 +31,14 @@ from reservoir.config import SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
 from reservoir.store import runs
 from reservoir.store.flow import RateLimit
+from reservoir.store.notify import NOTIFY_ROWS, AsyncWake, rows_channel
 from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
                                      shape_group, values_ok)
-from reservoir.store.schema import experiences
+from reservoir.store.schema import experience_state
 
-COPY_COLUMNS = ("run_id", "group_id", "group_row", "status") + ROW_COLUMNS
+DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS
+STATE_COLUMNS = ("id", "run_id", "group_id", "group_row", "policy_version", "status")
+NEXT_IDS = "SELECT nextval('experience_data_id_seq') FROM generate_series(1, $1)"
 WRITABLE = ("raw", "ready")
 
 
@@ -81,15 +88,11 @@ async def write_groups(
         sorted({head.group_id for head in heads if isinstance(head.group_id, uuid.UUID)}))
     checked = _checked_groups(groups, run_info, existing, on_invalid, result)
     rows_per_run: Counter = Counter()
-    records = []
     for group in checked:
-        rows = group.shaped.encode()
-        rows_per_run[group.run_id] += len(rows)
-        records.extend((group.run_id, group.group_id, index, status) + row
-                       for index, row in enumerate(rows))
+        rows_per_run[group.run_id] += len(group.shaped.rows)
         result.group_ids.append(group.group_id)
-    result.groups, result.rows = len(checked), len(records)
-    if not records:
+    result.groups, result.rows = len(checked), sum(rows_per_run.values())
+    if not checked:
         return result
     await _wait_for_room(engine, rows_per_run, flow)
     try:
@@ -98,9 +101,8 @@ async def write_groups(
                 await conn.execute(runs.add_inserted(run_id, n))
             if before_copy is not None:
                 await before_copy(conn)
-            raw = await conn.get_raw_connection()
-            await raw.driver_connection.copy_records_to_table(
-                "experiences", columns=COPY_COLUMNS, records=records)
+            await _copy(conn, checked, status, result.rows)
+            await conn.execute(NOTIFY_ROWS, {"run_ids": sorted(rows_per_run), "what": status})
     except asyncpg.UniqueViolationError as exc:
         raise StoreError(f"a group id of this batch was written by another writer meanwhile "
                          f"({exc.constraint_name}); nothing of this batch was written") from None
@@ -108,6 +110,32 @@ async def write_groups(
         raise StoreError(f"writing {result.rows} rows in {result.groups} groups failed in the "
                          f"database; nothing of this batch was written: {exc}") from exc
     return result
+
+
+async def _copy(conn: AsyncConnection, checked: list[_CheckedGroup], status: str,
+                n: int) -> None:
+    """COPY the groups' data rows (encoded as the server reads them), then their state rows."""
+    raw = (await conn.get_raw_connection()).driver_connection
+    ids = [row[0] for row in await raw.fetch(NEXT_IDS, n)]
+    await raw.copy_records_to_table("experience_data", columns=DATA_COLUMNS,
+                                    records=_data_records(checked, ids))
+    await raw.copy_records_to_table("experience_state", columns=STATE_COLUMNS,
+                                    records=_state_records(checked, ids, status))
+
+
+def _data_records(checked: list[_CheckedGroup], ids: list[int]):
+    next_id = iter(ids)
+    for group in checked:
+        for row in group.shaped.encode():
+            yield (next(next_id), group.run_id) + row
+
+
+def _state_records(checked: list[_CheckedGroup], ids: list[int], status: str):
+    next_id = iter(ids)
+    for group in checked:
+        version = int(group.shaped.group[0].policy_version)
+        for index in range(len(group.shaped.rows)):
+            yield next(next_id), group.run_id, group.group_id, index, version, status
 
 
 def _checked_groups(groups, run_info, existing: set[uuid.UUID], on_invalid,
@@ -165,8 +193,8 @@ async def _lookup(engine: AsyncEngine, names: list[str], group_ids: list[uuid.UU
 
 def existing_groups(group_ids: list[uuid.UUID]):
     """Statement: which of these group ids have rows (the unique index answers it)."""
-    return (select(experiences.c.group_id).distinct()
-            .where(experiences.c.group_id.in_(group_ids), experiences.c.group_row == 0))
+    return (select(experience_state.c.group_id).distinct()
+            .where(experience_state.c.group_id.in_(group_ids), experience_state.c.group_row == 0))
 
 
 def _check_group(group: Sequence[Experience], index: int,
@@ -197,14 +225,15 @@ async def _wait_for_room(engine: AsyncEngine, rows_per_run: Counter, flow: Sampl
     if not rows_per_run:
         return
     deadline = time.monotonic() + flow.wait_timeout_s
-    while True:
-        async with engine.connect() as conn:
-            inserted, sampled = (await conn.execute(runs.counters(list(rows_per_run)))).one()
-        if limit.can_insert(inserted, sampled, n):
-            return
-        if time.monotonic() >= deadline:
-            raise FlowControlTimeout(
-                f"waited {flow.wait_timeout_s:g}s to write {n} rows: explorers are ahead of "
-                f"samples_per_insert={flow.samples_per_insert} (inserted {inserted}, sampled "
-                f"{sampled}, tolerance {flow.spi_tolerance:g}); nothing was written")
-        await asyncio.sleep(flow.poll_interval_s)
+    async with AsyncWake(engine, [rows_channel(r) for r in rows_per_run]) as wake:
+        while True:
+            async with engine.connect() as conn:
+                inserted, sampled = (await conn.execute(runs.counters(list(rows_per_run)))).one()
+            if limit.can_insert(inserted, sampled, n):
+                return
+            if time.monotonic() >= deadline:
+                raise FlowControlTimeout(
+                    f"waited {flow.wait_timeout_s:g}s to write {n} rows: explorers are ahead of "
+                    f"samples_per_insert={flow.samples_per_insert} (inserted {inserted}, sampled "
+                    f"{sampled}, tolerance {flow.spi_tolerance:g}); nothing was written")
+            await wake.wait(flow.poll_interval_s)  # a lease of the run wakes it sooner

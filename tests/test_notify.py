@@ -1,0 +1,65 @@
+"""Notifications instead of polling: a stream pipeline and a waiting lease wake when rows of
+their run are written, not at their next poll."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from sqlalchemy import text
+
+from reservoir.config import ReservoirConfig, StoreConfig
+from reservoir.pipeline import stream
+from reservoir.pipeline.stream import PipelineWorker
+from tests.factories import make_group
+
+
+def _status_of_first_row(engine, run: str) -> str | None:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT min(e.status) FROM experiences e JOIN runs r "
+                                 "ON r.id = e.run_id WHERE r.name = :run"), {"run": run}).scalar()
+
+
+def test_a_stream_pipeline_moves_a_row_within_100_ms_of_its_insert(store, db_url, tmp_path):
+    store.create_run("s", group_size=2)
+    spec = tmp_path / "gate.yaml"
+    spec.write_text("mode: stream\nsource: {status: [raw], runs: [s]}\n"
+                    "process:\n  - text_length_filter: {min_len: 1}\n")
+    worker = PipelineWorker(ReservoirConfig(store=StoreConfig(url=db_url)), spec)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        latencies = []
+        for attempt in range(3):  # the first pass warms the operators up
+            time.sleep(2 * stream.POLL_S + 0.5)  # idle: the stream waits, its poll is far off
+            store.write_groups([make_group("s", size=2, seed=attempt)], status="raw")
+            written = time.perf_counter()
+            while _status_of_first_row(store.engine, "s") != "ready":
+                assert time.perf_counter() - written < 5, "the stream never moved the row"
+                time.sleep(0.002)
+            latencies.append(time.perf_counter() - written)
+        assert min(latencies[1:]) < 0.1, latencies  # its poll alone would take up to 0.5 s
+    finally:
+        worker.request_stop()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_a_waiting_lease_wakes_when_rows_are_written(make_store):
+    store = make_store(poll_interval_s=5.0)  # only a notification can wake it in time
+    writer = make_store()
+    store.create_run("w", group_size=2)
+    got = {}
+
+    def lease():
+        started = time.perf_counter()
+        got["lease"] = store.lease("w", rows=2, timeout_s=20)
+        got["at"] = time.perf_counter() - started
+
+    thread = threading.Thread(target=lease)
+    thread.start()
+    time.sleep(0.5)
+    writer.write_groups([make_group("w", size=2)])
+    thread.join(20)
+    assert len(got["lease"].rows) == 2
+    assert got["at"] < 2.0, got["at"]  # woken by the write, not by its 5 s poll
