@@ -114,3 +114,20 @@ def test_resolved_url_prefers_store_url_over_environment(monkeypatch):
 def test_a_number_that_is_not_finite_is_called_so(write, value):
     message = config_error(write(f"explorer:\n  temperature: {value}\n"))
     assert "explorer.temperature (line 2): must be a finite number" in message
+
+
+@pytest.mark.parametrize("body, key, rule", [
+    ("store:\n  retention:\n    archive_after_days: 0\n", "store.retention.archive_after_days",
+     "greater than 0"),
+    ("store:\n  retention:\n    retire_after_days: .nan\n", "store.retention.retire_after_days",
+     "finite"),
+    ("store:\n  retention:\n    archive_after_days: 30\n", "store.retention",
+     "archive_after_days is set but archive_dir is not"),
+])
+def test_retention_checks_ranges_and_that_archiving_has_a_folder(write, body, key, rule):
+    message = config_error(write(body))
+    assert re.search(rf"[:;] {re.escape(key)} \(line \d+\): [^;]*{rule}", message), message
+    config = load_config(write("store:\n  retention: {archive_dir: old, archive_after_days: 30, "
+                               "retire_after_days: 7.5}\n"))
+    assert (config.store.retention.archive_after_days, config.store.retention.retire_after_days
+            ) == (30.0, 7.5)

@@ -12,6 +12,7 @@ from reservoir.cli_common import (ConfigOption, WideOption, _config, _open, cons
                                   external_error, fail, target)
 from reservoir.cli_db import db_app
 from reservoir.cli_pipelines import pipeline_app, review_app, schedule_app
+from reservoir.cli_runs import runs_app
 from reservoir.errors import ReservoirError
 
 app = typer.Typer(help="Reservoir: reinforcement fine-tuning around a PostgreSQL experience store.",
@@ -29,6 +30,7 @@ app.add_typer(tasks_app, name="tasks")
 app.add_typer(pipeline_app, name="pipeline")
 app.add_typer(schedule_app, name="schedule")
 app.add_typer(review_app, name="review")
+app.add_typer(runs_app, name="runs")
 
 
 def main() -> None:

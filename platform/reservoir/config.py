@@ -136,6 +136,29 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RetentionConfig(Section):
+    """How long ended runs (stopped, finished, failed) keep their rows in the store
+    (`reservoir runs retention` applies it); unset: forever."""
+
+    archive_dir: str | None = Field(
+        default=None, min_length=1, description="folder that archives go to, one folder per "
+        "run (archive_dir/<run name>)")
+    archive_after_days: Number | None = number(
+        None, gt=0, le=36_500, description="an ended run whose updated_at is older than this "
+        "is archived into archive_dir and its rows leave the store (`reservoir runs restore` "
+        "brings them back)")
+    retire_after_days: Number | None = number(
+        None, gt=0, le=36_500, description="ready and raw rows of ended runs that are older "
+        "than this become retired (no stage samples them)")
+
+    @model_validator(mode="after")
+    def _archive_needs_dir(self) -> RetentionConfig:
+        if self.archive_after_days is not None and self.archive_dir is None:
+            raise ValueError("archive_after_days is set but archive_dir is not: set the folder "
+                             "the archives go to")
+        return self
+
+
 class StoreConfig(Section):
     """Where the experience store lives."""
 
@@ -159,6 +182,8 @@ class StoreConfig(Section):
         120.0, ge=0, le=DAY,
         description="How long workers wait out an unreachable store (a restart) before they "
         "stop with one line; started again, they carry on")
+    retention: RetentionConfig = Field(
+        default=RetentionConfig(), description="archiving and retiring the rows of ended runs")
 
     def resolved_url(self) -> str | None:
         """The server URL from config or environment; None selects the embedded server."""

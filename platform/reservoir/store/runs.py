@@ -8,7 +8,7 @@ from sqlalchemy import BigInteger, Connection, delete, func, select, text, updat
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.errors import StoreError
-from reservoir.store.schema import policy_versions, runs, train_steps
+from reservoir.store.schema import experiences, policy_versions, runs, train_steps
 from reservoir.store.urls import scrub
 
 
@@ -88,6 +88,15 @@ def set_progress(conn: Connection, run_id: int, progress: dict[str, Any]) -> Non
     """What the run is doing besides train steps (e.g. the warm-up: phase, step, of, loss);
     {} when nothing."""
     conn.execute(update(runs).where(runs.c.id == run_id).values(progress=progress))
+
+
+def listing(conn: Connection) -> list[dict[str, Any]]:
+    """Every run, oldest first: its name (as `run`), status, experiences held, updated_at."""
+    held = (select(func.count()).select_from(experiences)
+            .where(experiences.c.run_id == runs.c.id).scalar_subquery())
+    stmt = select(runs.c.name.label("run"), runs.c.status, held.label("experiences"),
+                  runs.c.updated_at).order_by(runs.c.id)
+    return [dict(row) for row in conn.execute(stmt).mappings()]
 
 
 def delete_run(conn: Connection, name: str) -> bool:

@@ -1,0 +1,186 @@
+"""Archiving a run's experiences to Parquet and restoring them, and retention: what leaves the
+store comes back identical (every column of every archived table), a damaged archive or a
+second restore changes nothing, and retention archives only runs idle long enough."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import text
+
+from reservoir.config import RetentionConfig
+from reservoir.errors import StoreError
+from reservoir.store import codec, pipelines, reviews, runs
+from reservoir.store.archive import apply_retention, archive_run, restore_run
+from tests.factories import fill, make_group
+
+RUN, OTHER = "archived", "kept"
+# Every table an archive touches, with the key its rows are compared in.
+TABLES = {"experiences": "id", "batch_items": "train_step_id, experience_id",
+          "operator_events": "id", "reviews": "id", "preferences": "id",
+          "batch_pairs": "train_step_id, preference_id", "review_actions": "id"}
+ARRAYS = {"prompt_ids": codec.TOKEN, "response_ids": codec.TOKEN, "logprobs": codec.LOGPROB,
+          "action_mask": codec.MASK}
+
+
+def populate(store) -> list[int]:
+    """A finished run with trained rows, a pipeline event, a labelled review, a pair trained
+    by a DPO step; and another run. Returns the archived run's experience ids."""
+    run_id = store.create_run(RUN, group_size=4)
+    store.create_run(OTHER, group_size=4)
+    store.write_groups([make_group(RUN, seed=i) for i in range(6)])
+    fill(store, OTHER, 2, start_seed=100)
+    store.commit_step(store.lease(RUN, groups=2), step=1, policy_version=0, loss=0.5)
+    with store.engine.begin() as conn:
+        ids = conn.execute(text("SELECT id FROM experiences WHERE run_id = :r ORDER BY id"),
+                           {"r": run_id}).scalars().all()
+        pipeline_run = pipelines.start_run(conn, pipeline="gate", spec={}, spec_hash="h",
+                                           source_file=None, run_ids=[run_id], trigger="cli")
+        pipelines.apply(conn, pipeline_run, pipelines.Changes(
+            events=[{"experience_id": ids[9], "operator": "op", "kind": "scored",
+                     "reason": "test", "stats": {"score": 0.5}}],
+            held={ids[10]: "look at it"}))
+        review_id = conn.execute(text("SELECT id FROM reviews")).scalar()
+        reviews.label(conn, review_id, verdict="accept", reviewer="ann", values={"ok": True})
+        reviews.prefer(conn, ids[12], ids[13], reviewer="ann")
+        runs.set_status(conn, run_id, "finished")
+    store.commit_pairs(store.lease_pairs(RUN, pairs=1), step=2, policy_version=0)
+    return ids
+
+
+def contents(engine) -> dict[str, list[dict]]:
+    with engine.connect() as conn:
+        return {name: [dict(row) for row in conn.execute(
+                    text(f"SELECT * FROM {name} ORDER BY {key}")).mappings()]
+                for name, key in TABLES.items()}
+
+
+def count(engine, sql: str, **params) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text(sql), params).scalar()
+
+
+def test_archive_removes_the_rows_and_restore_brings_back_every_column(store, tmp_path):
+    ids = populate(store)
+    before = contents(store.engine)
+    manifest = archive_run(store.engine, RUN, tmp_path / "a", chunk_rows=5)
+
+    assert manifest.rows() == {"experiences": 24, "batch_items": 10, "operator_events": 1,
+                               "reviews": 1, "preferences": 1, "batch_pairs": 1,
+                               "review_actions": 2}
+    assert count(store.engine, "SELECT count(*) FROM experiences WHERE id = ANY(:i)", i=ids) == 0
+    assert count(store.engine, "SELECT count(*) FROM batch_items") == 0
+    assert count(store.engine, "SELECT count(*) FROM experiences") == 8  # the other run's
+    assert count(store.engine, "SELECT count(*) FROM review_actions WHERE experience_id IS "
+                               "NULL AND review_id IS NULL AND preference_id IS NULL") == 2
+    written = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert written["run"] == RUN and written["revision"] and written["tables"]["reviews"]["sha256"]
+    parquet = pq.read_table(tmp_path / "a" / "experiences.parquet")
+    assert str(parquet.schema.field("prompt_ids").type) == "binary"
+    assert str(parquet.schema.field("created_at").type) == "timestamp[us, tz=UTC]"
+
+    restore_run(store.engine, tmp_path / "a", chunk_rows=7)
+    after = contents(store.engine)
+    assert after == before
+    for old, new in zip(before["experiences"], after["experiences"]):
+        for column, dtype in ARRAYS.items():
+            np.testing.assert_array_equal(codec.decode(old[column], dtype),
+                                          codec.decode(new[column], dtype))
+    first = parquet.to_pylist()[0]
+    np.testing.assert_array_equal(codec.decode(first["response_ids"], codec.TOKEN),
+                                  codec.decode(before["experiences"][0]["response_ids"],
+                                               codec.TOKEN))
+
+
+def test_a_running_run_or_an_unknown_one_is_refused_with_nothing_written(store, tmp_path):
+    run_id = store.create_run(RUN)
+    fill(store, RUN, 1)
+    with store.engine.begin() as conn:
+        runs.set_status(conn, run_id, "running")
+    with pytest.raises(StoreError, match=f"run '{RUN}' is running"):
+        archive_run(store.engine, RUN, tmp_path / "a")
+    with pytest.raises(StoreError, match="run 'nobody' does not exist"):
+        archive_run(store.url, "nobody", tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert count(store.engine, "SELECT count(*) FROM experiences") == 4
+
+
+def test_a_changed_byte_fails_the_restore_naming_the_file_and_inserts_nothing(store, tmp_path):
+    populate(store)
+    archive_run(store.engine, RUN, tmp_path / "a")
+    target = tmp_path / "a" / "batch_items.parquet"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="batch_items.parquet: its sha256"):
+        restore_run(store.engine, tmp_path / "a")
+    assert count(store.engine, "SELECT count(*) FROM experiences") == 8
+
+
+def test_a_row_changed_while_the_run_is_archived_fails_the_delete_and_keeps_the_files(
+        store, tmp_path):
+    populate(store)
+
+    def change_a_row(table: str, done: int, total: int) -> None:  # between read and delete
+        if table == "review_actions" and done == 0:
+            with store.engine.begin() as conn:
+                conn.execute(text("UPDATE experiences SET priority = 5 WHERE id = (SELECT "
+                                  "min(id) FROM experiences)"))
+
+    with pytest.raises(StoreError, match="deleting its rows failed.*nothing was deleted and the "
+                                         "archive stays"):
+        archive_run(store.engine, RUN, tmp_path / "a", progress=change_a_row)
+    assert count(store.engine, "SELECT count(*) FROM experiences") == 32
+    assert (tmp_path / "a" / "manifest.json").is_file()
+
+
+def test_restoring_twice_is_refused_and_an_archive_folder_is_not_reused(store, tmp_path):
+    populate(store)
+    archive_run(store.engine, RUN, tmp_path / "a")
+    restore_run(store.engine, tmp_path / "a")
+    with pytest.raises(StoreError, match="it was restored before.*nothing was restored"):
+        restore_run(store.engine, tmp_path / "a")
+    with pytest.raises(StoreError, match="holds an archive already"):
+        archive_run(store.engine, RUN, tmp_path / "a")
+    assert count(store.engine, "SELECT count(*) FROM experiences") == 32
+
+
+def test_retention_archives_an_idle_ended_run_and_retires_old_rows_of_a_recent_one(
+        store, tmp_path):
+    for name in (RUN, OTHER):
+        run_id = store.create_run(name)
+        fill(store, name, 2, start_seed=len(name))
+        with store.engine.begin() as conn:
+            runs.set_status(conn, run_id, "finished")
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET updated_at = now() - interval '10 days' "
+                          "WHERE name = :r"), {"r": RUN})
+        conn.execute(text("UPDATE experiences SET created_at = created_at - interval '3 days' "
+                          "WHERE run_id = (SELECT id FROM runs WHERE name = :r)"), {"r": OTHER})
+    retention = RetentionConfig(archive_dir=str(tmp_path), archive_after_days=5,
+                                retire_after_days=2)
+    summary = apply_retention(store, retention)
+    assert [m.run for m in summary.archived] == [RUN] and not summary.failed
+    assert (tmp_path / RUN / "manifest.json").is_file()
+    assert summary.retired == 8
+    statuses = count(store.engine, "SELECT string_agg(DISTINCT status, ',') FROM experiences")
+    assert statuses == "retired"  # only the recent run's rows are left, all retired
+    assert apply_retention(store, retention).archived == ()  # nothing is archived twice
+
+
+def test_cli_archives_lists_and_restores(cli, store, tmp_path):
+    populate(store)
+    folder = tmp_path / "archive"
+    out = cli("runs", "archive", RUN, "-o", str(folder))
+    assert f"archived run '{RUN}' to {folder}: 24 experiences, 10 batch_items" in out
+    listed = [[cell.strip() for cell in line.split("│")[1:-1]]
+              for line in cli("runs", "list").splitlines()]
+    assert [RUN, "finished", "0"] in [row[:3] for row in listed], listed
+    assert f"restored run '{RUN}' from {folder}" in cli("runs", "restore", str(folder))
+    failed = cli.raw("runs", "restore", str(folder))
+    assert failed.returncode == 1
+    assert failed.stderr.count("\n") == 1 and "restored before" in failed.stderr
+    assert count(store.engine, "SELECT count(*) FROM experiences") == 32
