@@ -3,19 +3,23 @@
 What is compared (rows/s, and the ratio Reservoir / bare; the target is >= 0.8 for both):
 
 (a) write: `Store.write_groups` of `Experience` objects (numpy arrays, as an explorer hands them
-    over) against asyncpg's binary `copy_records_to_table` of identical rows.
+    over) against asyncpg's binary `copy_records_to_table` of identical rows into tables of
+    the store's own layout (`experience_data` + `experience_state`, two COPYs a call). The
+    writer's cost per row (its time minus the bare time, per row) is printed.
 (b) lease+commit: `Store.lease(run, rows=B)` + `Store.commit_step(...)` against a bare loop of
     `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING ...`, one statement
-    (one transaction) per batch, returning the columns the sampler returns. A third line, the
-    lease part of the same loop timed on its own, shows how much of the gap is the lease and how
-    much the step commit (which the bare loop does not do). The server's plans for both sides'
-    statements are printed too: they decide most of the absolute figures.
+    (one transaction) per batch, returning the columns the sampler returns, on a queue table of
+    one wide row per experience (the store's layout before migration 0012: data and state in
+    one row, with that table's indexes). A third line, the lease part of the same loop timed on
+    its own, shows how much the step commit (which the bare loop does not do) costs.
+(c) scaling: 1, 2 and 4 writer processes at once, each writing its own rows through
+    `Store.write_groups` or the bare COPY; rows/s of all of them together, and the ratio.
 
 Why it is fair:
 - Both sides write to the same server and database, into tables of the same shape: the bare
-  table is `LIKE experiences INCLUDING ALL` (columns, generated columns, STORAGE EXTERNAL, CHECK
-  constraints, indexes) plus the same foreign keys and its own id sequence; the script checks
-  the catalog and stops if anything differs.
+  tables are `LIKE experience_data / experience_state INCLUDING ALL` (columns, generated
+  columns, STORAGE EXTERNAL, CHECK constraints, indexes) plus the same foreign keys and their
+  own id sequence; the script checks the catalog and stops if anything differs.
 - The rows are identical (one seeded pool; the first row of each table is compared byte for
   byte), and both sides send the same number of rows per call (COPY or write_groups).
 - The bare COPY gets its rows pre-encoded (bytes, JSON text) before timing: the baseline is the
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import re
 import statistics
@@ -53,16 +58,17 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import make_url
 
 from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
-from reservoir.store import Experience, Store, codec, ledger
+from reservoir.store import Experience, Store, codec
 from reservoir.store.engine import redact
 from reservoir.store.sampler import lease_statement
-from reservoir.store.writer import COPY_COLUMNS
+from reservoir.store.writer import DATA_COLUMNS, STATE_COLUMNS
 
-BARE = "bench_bare_experiences"
-BARE_STEPS, BARE_ITEMS = "bench_bare_train_steps", "bench_bare_batch_items"
+BARE_DATA, BARE_STATE = "bench_bare_data", "bench_bare_state"
+BARE_QUEUE = "bench_bare_queue"  # one wide row per experience: the layout before 0012
 TOKENS = 256
 VOCAB = 32_000
 TARGET = 0.8
+WRITERS = (1, 2, 4)
 RETURNED = ("id, run_id, task_id, group_id, policy_version, reward, reward_components, "
             "times_sampled, prompt_ids, response_ids, logprobs, action_mask, shaped_reward, "
             "leased_until")
@@ -80,9 +86,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--write-batch-groups", type=int, default=64,
                    help="groups per write_groups call (and rows per COPY / group size)")
     p.add_argument("--lease-batches", type=int, default=100, help="leases per repeat and side")
+    p.add_argument("--scaling-rows", type=int, default=20_000,
+                   help="rows each writer process writes in the scaling measurement")
     p.add_argument("--repeat", type=int, default=3, help="repeats; the median is reported")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep", action="store_true", help="keep the bench run and the bare table")
+    p.add_argument("--keep", action="store_true", help="keep the bench run and the bare tables")
     return p.parse_args()
 
 
@@ -105,14 +113,17 @@ class Pool:
     groups: list[list[Experience]]
     encoded: list[list[tuple]]  # per group, per row: the encoded column values
 
-    def records(self, run_id: int, start: int, stop: int) -> list[tuple]:
-        """COPY tuples (in COPY_COLUMNS order) of groups[start:stop], with fresh group ids."""
-        out = []
+    def records(self, run_id: int, start: int, stop: int, ids) -> tuple[list, list]:
+        """COPY tuples (DATA_COLUMNS, STATE_COLUMNS order) of groups[start:stop], with ids
+        from `ids` and fresh group ids."""
+        data, state = [], []
         for group in self.encoded[start:stop]:
             group_id = uuid.uuid4()
-            out.extend((run_id, group_id, index, "ready", None, 0, *row, "{}", None)
-                       for index, row in enumerate(group))
-        return out
+            for index, row in enumerate(group):
+                row_id = next(ids)
+                data.append((row_id, run_id, None, *row, "{}", None))
+                state.append((row_id, run_id, group_id, index, 0, "ready"))
+        return data, state
 
 
 def make_pool(run: str, n_groups: int, group_size: int, seed: int) -> Pool:
@@ -143,18 +154,6 @@ def make_pool(run: str, n_groups: int, group_size: int, seed: int) -> Pool:
 # --- the bare side: one asyncpg connection on its own event loop ----------------------------
 
 
-def bare_commit_sql() -> str:
-    """The ledger's own commit statement, on the bare tables, with asyncpg's $n parameters."""
-    sql = (ledger.COMMIT_STEP.text.replace("UPDATE experiences", f"UPDATE {BARE}")
-           .replace("INTO train_steps", f"INTO {BARE_STEPS}")
-           .replace("INTO batch_items", f"INTO {BARE_ITEMS}"))
-    names = ("token", "run_id", "step", "policy_version", "loss", "metrics", "n_experiences",
-             "ids", "weights")
-    for number, name in enumerate(names, 1):
-        sql = re.sub(rf":{name}\b", f"${number}", sql)
-    return sql.replace("$5,", "$5::float8,").replace("$6,", "$6::jsonb,")
-
-
 def asyncpg_args(url: str) -> dict:
     """asyncpg.connect arguments for a store URL (a Unix socket dir may sit in ?host=)."""
     parsed = make_url(url)
@@ -162,11 +161,15 @@ def asyncpg_args(url: str) -> dict:
                 user=parsed.username, password=parsed.password, database=parsed.database)
 
 
+QUEUE_COLUMNS = DATA_COLUMNS + STATE_COLUMNS[2:]
+
+
 class Bare:
-    LEASE = (f"UPDATE {BARE} SET status = 'leased', lease_token = {{token}}, "
+    LEASE = (f"UPDATE {BARE_QUEUE} SET status = 'leased', lease_token = {{token}}, "
              f"leased_until = now() + make_interval(secs => {{seconds}}) "
-             f"WHERE id IN (SELECT id FROM {BARE} WHERE run_id = {{run_id}} AND status = 'ready' "
-             f"ORDER BY created_at, id LIMIT {{batch}} FOR UPDATE SKIP LOCKED) RETURNING {RETURNED}")
+             f"WHERE id IN (SELECT id FROM {BARE_QUEUE} WHERE run_id = {{run_id}} "
+             f"AND status = 'ready' ORDER BY created_at, id LIMIT {{batch}} "
+             f"FOR UPDATE SKIP LOCKED) RETURNING {RETURNED}")
 
     def __init__(self, url: str) -> None:
         self.loop = asyncio.new_event_loop()
@@ -181,15 +184,26 @@ class Bare:
     def fetch(self, sql: str, *args):
         return self.run(self.conn.fetch(sql, *args))
 
-    def copy(self, records: list[tuple], rows_per_call: int) -> float:
+    def copy(self, records: tuple[list, list], rows_per_call: int) -> float:
+        """COPY (data, state) records into the bare tables of the store's layout."""
         return self.run(self._copy(records, rows_per_call))
 
     async def _copy(self, records, rows_per_call) -> float:
+        data, state = records
         start = time.perf_counter()
-        for i in range(0, len(records), rows_per_call):
-            await self.conn.copy_records_to_table(BARE, records=records[i:i + rows_per_call],
-                                                  columns=COPY_COLUMNS)
+        for i in range(0, len(data), rows_per_call):
+            async with self.conn.transaction():
+                await self.conn.copy_records_to_table(
+                    BARE_DATA, records=data[i:i + rows_per_call], columns=DATA_COLUMNS)
+                await self.conn.copy_records_to_table(
+                    BARE_STATE, records=state[i:i + rows_per_call], columns=STATE_COLUMNS)
         return time.perf_counter() - start
+
+    def copy_queue(self, records: tuple[list, list]) -> None:
+        """The same rows into the one-table queue (for the lease baseline; untimed)."""
+        rows = [d + s[2:] for d, s in zip(*records)]
+        self.run(self.conn.copy_records_to_table(BARE_QUEUE, records=rows,
+                                                 columns=QUEUE_COLUMNS))
 
     def lease(self, run_id: int, batches: int, batch: int, lease_seconds: float) -> list[float]:
         return self.run(self._lease(run_id, batches, batch, lease_seconds))
@@ -205,33 +219,12 @@ class Bare:
                 raise RuntimeError(f"bare lease returned {len(rows)} of {batch} rows")
         return times
 
-    def lease_commit(self, run_id: int, batches: int, batch: int, lease_seconds: float,
-                     steps) -> list[float]:
-        return self.run(self._lease_commit(run_id, batches, batch, lease_seconds, steps))
-
-    async def _lease_commit(self, run_id, batches, batch, lease_seconds, steps) -> list[float]:
-        lease_sql = self.LEASE.format(token="$1", run_id="$2", batch="$3", seconds="$4")
-        commit_sql = bare_commit_sql()
-        times = []
-        for _ in range(batches):
-            start = time.perf_counter()
-            token = uuid.uuid4()
-            rows = await self.conn.fetch(lease_sql, token, run_id, batch, lease_seconds)
-            async with self.conn.transaction():
-                written = await self.conn.fetch(commit_sql, token, run_id, next(steps), 0, None,
-                                                "{}", len(rows), [r["id"] for r in rows],
-                                                [1.0] * len(rows))
-            times.append(time.perf_counter() - start)
-            if len(written) != batch:
-                raise RuntimeError(f"bare commit wrote {len(written)} of {batch} ledger rows")
-        return times
-
     def close(self) -> None:
         self.run(self.conn.close())
         self.loop.close()
 
 
-# --- the bare table: identical to experiences -----------------------------------------------
+# --- the bare tables: identical to the store's ----------------------------------------------
 
 
 CATALOG = """
@@ -248,62 +241,69 @@ SELECT 'constraint ' || contype::text || ' ' || pg_get_constraintdef(oid)
 UNION ALL
 SELECT 'index unique=' || indisunique || ' ' || regexp_replace(pg_get_indexdef(indexrelid), '^.* USING ', '')
   FROM pg_index WHERE indrelid = $1::regclass
-UNION ALL
-SELECT 'options ' || coalesce(reloptions::text, '') FROM pg_class WHERE oid = $1::regclass
+"""
+# The one-table queue: the data columns plus the state columns, with the indexes the
+# experiences table had before migration 0012.
+QUEUE = f"""
+CREATE TABLE {BARE_QUEUE} (LIKE experience_data INCLUDING ALL,
+    group_id uuid NOT NULL, group_row smallint NOT NULL, policy_version integer NOT NULL,
+    status text NOT NULL DEFAULT 'ready', priority float8 NOT NULL DEFAULT 0,
+    times_sampled integer NOT NULL DEFAULT 0, lease_token uuid, leased_until timestamptz,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    CHECK ((status = 'leased') = (lease_token IS NOT NULL)));
+CREATE INDEX ON {BARE_QUEUE} (run_id, created_at, id) WHERE status = 'ready';
+CREATE INDEX ON {BARE_QUEUE} (run_id, priority DESC, id) WHERE status = 'ready';
+CREATE INDEX ON {BARE_QUEUE} (leased_until) WHERE status = 'leased';
+CREATE UNIQUE INDEX ON {BARE_QUEUE} (group_id, group_row);
+CREATE INDEX ON {BARE_QUEUE} (run_id, status);
+CREATE INDEX ON {BARE_QUEUE} (lease_token) WHERE lease_token IS NOT NULL;
 """
 
 
-def create_bare_table(bare: Bare) -> str:
-    """Create BARE like experiences, with its FKs and own sequence; return a summary."""
+def create_bare_tables(bare: Bare) -> str:
+    """Create the bare tables like the store's, with their FKs; return a summary."""
     bare.execute(f"""
-        DROP TABLE IF EXISTS {BARE_ITEMS}, {BARE_STEPS}, {BARE};
-        CREATE TABLE {BARE} (LIKE experiences INCLUDING ALL);
-        CREATE SEQUENCE {BARE}_id_seq OWNED BY {BARE}.id;
-        ALTER TABLE {BARE} ALTER COLUMN id SET DEFAULT nextval('{BARE}_id_seq');""")
-    fks = bare.fetch("SELECT conname, pg_get_constraintdef(oid) AS def FROM pg_constraint "
-                     "WHERE conrelid = 'experiences'::regclass AND contype = 'f'")
-    for fk in fks:
-        definition = re.sub(r"REFERENCES (public\.)?experiences\(", f"REFERENCES {BARE}(", fk["def"])
-        bare.execute(f'ALTER TABLE {BARE} ADD CONSTRAINT "{BARE}_{fk["conname"]}" {definition}')
-    bare.execute(f"""
-        DROP TABLE IF EXISTS {BARE_ITEMS}, {BARE_STEPS};
-        CREATE TABLE {BARE_STEPS} (LIKE train_steps INCLUDING ALL);
-        CREATE SEQUENCE {BARE_STEPS}_id_seq OWNED BY {BARE_STEPS}.id;
-        ALTER TABLE {BARE_STEPS} ALTER COLUMN id SET DEFAULT nextval('{BARE_STEPS}_id_seq'),
-            ADD FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE;
-        CREATE TABLE {BARE_ITEMS} (LIKE batch_items INCLUDING ALL,
-            FOREIGN KEY (train_step_id) REFERENCES {BARE_STEPS} (id) ON DELETE CASCADE,
-            FOREIGN KEY (experience_id) REFERENCES {BARE} (id) ON DELETE CASCADE);""")
-    options = bare.fetch("SELECT unnest(reloptions) FROM pg_class WHERE oid = 'experiences'::regclass")
-    if options:  # storage parameters (e.g. toast_tuple_target) are not copied by LIKE
-        bare.execute(f"ALTER TABLE {BARE} SET ({', '.join(row[0] for row in options)})")
+        DROP TABLE IF EXISTS {BARE_STATE}, {BARE_DATA}, {BARE_QUEUE};
+        CREATE TABLE {BARE_DATA} (LIKE experience_data INCLUDING ALL,
+            FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE,
+            FOREIGN KEY (task_id) REFERENCES tasks (id) ON DELETE SET NULL);
+        ALTER TABLE {BARE_DATA} ADD FOREIGN KEY (parent_id) REFERENCES {BARE_DATA} (id)
+            ON DELETE SET NULL;
+        CREATE TABLE {BARE_STATE} (LIKE experience_state INCLUDING ALL,
+            FOREIGN KEY (id) REFERENCES {BARE_DATA} (id) ON DELETE CASCADE,
+            FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE);""")
+    bare.execute(QUEUE)
     return check_same_shape(bare)
 
 
-def _catalog(bare: Bare, table: str) -> list[str]:
-    lines = [row[0].replace(BARE, "experiences") for row in bare.fetch(CATALOG, table)]
-    return sorted(re.sub(r"nextval\('[^']*'::regclass\)", "nextval(<seq>)", line) for line in lines)
+def _catalog(bare: Bare, table: str, as_name: str) -> list[str]:
+    lines = [row[0].replace(table, as_name) for row in bare.fetch(CATALOG, table)]
+    return sorted(re.sub(r"nextval\('[^']*'::regclass\)", "nextval(<seq>)", line)
+                  .replace(BARE_DATA, "experience_data") for line in lines)
 
 
 def check_same_shape(bare: Bare) -> str:
-    ours, theirs = _catalog(bare, "experiences"), _catalog(bare, BARE)
-    if ours != theirs:
-        diff = sorted(set(ours) ^ set(theirs))
-        raise SystemExit(f"{BARE} does not match experiences:\n  " + "\n  ".join(diff))
-    n = {kind: sum(line.startswith(kind) for line in ours)
-         for kind in ("column", "constraint", "index")}
-    external = sum("storage=e" in line for line in ours)
-    generated = sum("generated=s" in line for line in ours)
-    return (f"{n['column']} columns ({external} STORAGE EXTERNAL, {generated} generated), "
-            f"{n['constraint']} constraints, {n['index']} indexes: same as experiences")
+    summary = []
+    for ours, theirs in (("experience_data", BARE_DATA), ("experience_state", BARE_STATE)):
+        mine, bares = _catalog(bare, ours, ours), _catalog(bare, theirs, ours)
+        if mine != bares:
+            diff = sorted(set(mine) ^ set(bares))
+            raise SystemExit(f"{theirs} does not match {ours}:\n  " + "\n  ".join(diff))
+        n = {kind: sum(line.startswith(kind) for line in mine)
+             for kind in ("column", "constraint", "index")}
+        summary.append(f"{ours}: {n['column']} columns, {n['constraint']} constraints, "
+                       f"{n['index']} indexes")
+    return "; ".join(summary) + ": same as the store's"
 
 
 def check_same_rows(bare: Bare, run_id: int) -> None:
     """The first row each side wrote came from the same pool row: compare the stored values."""
     columns = ("prompt_text, response_text, prompt_ids, response_ids, logprobs, action_mask, "
                "reward, reward_components, metadata, status, prompt_len, response_len")
-    first = [bare.fetch(f"SELECT {columns} FROM {table} WHERE run_id = $1 ORDER BY id LIMIT 1",
-                        run_id)[0] for table in ("experiences", BARE)]
+    sides = ("experience_data d JOIN experience_state s USING (id, run_id)",
+             f"{BARE_DATA} d JOIN {BARE_STATE} s USING (id, run_id)")
+    first = [bare.fetch(f"SELECT {columns} FROM {side} WHERE run_id = $1 ORDER BY id LIMIT 1",
+                        run_id)[0] for side in sides]
     if tuple(first[0]) != tuple(first[1]):
         raise SystemExit("the writer and the bare COPY stored different values for one row")
 
@@ -351,8 +351,9 @@ def measure_writes(store: Store, bare: Bare, pool: Pool, run_id: int, args) -> l
     ours, theirs = Measure("reservoir"), Measure("bare COPY")
     rows = len(pool.groups) * args.group_size
     per_call = args.write_batch_groups * args.group_size
+    ids = count(1)
     for r in range(args.repeat):
-        records = pool.records(run_id, 0, len(pool.groups))  # untimed: the baseline's input
+        records = pool.records(run_id, 0, len(pool.groups), ids)  # untimed: the baseline's input
         sides = [lambda: ours.add(rows, timed_writes(store, pool.groups, args.write_batch_groups)),
                  lambda: theirs.add(rows, bare.copy(records, per_call))]
         for side in sides if r % 2 == 0 else sides[::-1]:
@@ -366,9 +367,8 @@ def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dic
     """Lease+commit against the bare loop; the lease part alone is kept as a third measure."""
     ours = Measure("reservoir")
     lease_part = Measure("reservoir (lease part)")
-    theirs = Measure("bare UPDATE..RETURNING")
-    same_sql = Measure("bare lease+commit, same SQL")
-    rows, steps, bare_steps = args.lease_batches * args.batch, count(1), count(1)
+    theirs = Measure("bare UPDATE..RETURNING, one-table queue")
+    rows, steps = args.lease_batches * args.batch, count(1)
 
     def reservoir_side():
         times = timed_leases(store, run, args.lease_batches, args.batch, steps)
@@ -378,25 +378,20 @@ def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dic
     def bare_side():
         times = bare.lease(run_id, args.lease_batches, args.batch, store.flow.lease_seconds)
         theirs.add(rows, sum(times), times)
-        times = bare.lease_commit(run_id, args.lease_batches, args.batch,
-                                  store.flow.lease_seconds, bare_steps)
-        same_sql.add(rows, sum(times), times)
 
     for r in range(args.repeat):
         for side in (reservoir_side, bare_side) if r % 2 == 0 else (bare_side, reservoir_side):
             side()
         console.print(f"  lease repeat {r + 1}: reservoir lease+commit {ours.rates[-1]:,.0f} "
                       f"rows/s (lease part {lease_part.rates[-1]:,.0f}), bare "
-                      f"{theirs.rates[-1]:,.0f} rows/s, bare lease+commit with the same SQL "
-                      f"{same_sql.rates[-1]:,.0f} rows/s")
-    return {"lease+commit": [ours, theirs], "lease only": [lease_part, theirs],
-            "lease+commit, like for like": [ours, same_sql]}
+                      f"{theirs.rates[-1]:,.0f} rows/s")
+    return {"lease+commit": [ours, theirs], "lease only": [lease_part, theirs]}
 
 
 def fill(store: Store, bare: Bare, pool: Pool, run_id: int, target: int, args) -> int:
     """Write through both sides, one call each in turn, until each holds `target` ready rows."""
-    have = bare.fetch(f"SELECT count(*) FROM {BARE} WHERE run_id = $1 AND status = 'ready'",
-                      run_id)[0][0]
+    have = bare.fetch(f"SELECT count(*) FROM {BARE_QUEUE} WHERE run_id = $1 "
+                      "AND status = 'ready'", run_id)[0][0]
     per_call = args.write_batch_groups * args.group_size
     calls = max(0, -(-(target - have) // per_call))
     if calls == 0:
@@ -405,20 +400,21 @@ def fill(store: Store, bare: Bare, pool: Pool, run_id: int, target: int, args) -
                TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         ours = progress.add_task("fill: Reservoir writer", total=calls * per_call)
-        theirs = progress.add_task("fill: bare COPY", total=calls * per_call)
+        theirs = progress.add_task("fill: bare queue", total=calls * per_call)
+        ids = count(10**9)
         for call in range(calls):
             start = call * args.write_batch_groups % len(pool.groups)
             stop = start + args.write_batch_groups
             store.write_groups(pool.groups[start:stop])
             progress.advance(ours, per_call)
-            bare.copy(pool.records(run_id, start, stop), per_call)
+            bare.copy_queue(pool.records(run_id, start, stop, ids))
             progress.advance(theirs, per_call)
     return have + calls * per_call
 
 
 def settle(bare: Bare) -> None:
     """Same starting state for both tables: visibility map set, planner statistics fresh."""
-    for table in ("experiences", BARE):
+    for table in ("experience_data", "experience_state", BARE_QUEUE):
         bare.execute(f"VACUUM (ANALYZE, PROCESS_TOAST FALSE) {table}")
 
 
@@ -428,7 +424,8 @@ def environment(bare: Bare, store: Store, run_id: int, config: ReservoirConfig,
     names = ["shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_wal_size"]
     settings = bare.fetch("SELECT name, current_setting(name) FROM unnest($1::text[]) AS name",
                           names)
-    others = bare.fetch("SELECT count(*) FROM experiences WHERE run_id <> $1", run_id)[0][0]
+    others = bare.fetch("SELECT count(*) FROM experience_state WHERE run_id <> $1",
+                        run_id)[0][0]
     where = (f"server at {redact(store.url)}" if config.store.resolved_url()
              else f"embedded ({config.store.data_dir})")
     return [
@@ -465,8 +462,8 @@ def plan_lines(bare: Bare, store: Store, run_id: int, batch: int) -> list[str]:
         "reservoir lease": reservoir_sql,
         "bare lease": Bare.LEASE.format(token=f"'{uuid.uuid4()}'", run_id=run_id, batch=batch,
                                         seconds=store.flow.lease_seconds),
-        "commit_step's rows (by lease_token)": "SELECT id FROM experiences WHERE lease_token = "
-                                               f"'{uuid.uuid4()}'",
+        "commit_step's rows (by lease_token)": "SELECT id FROM experience_state WHERE "
+                                               f"lease_token = '{uuid.uuid4()}'",
     }
     lines = []
     for name, statement in sql.items():
@@ -513,21 +510,27 @@ def report(pairs: dict[str, list[Measure]], args) -> None:
         goal = f"target >= {TARGET}" if what in ("write", "lease+commit") else "diagnostic"
         print(f"{what}: reservoir {ours.rate:,.0f} rows/s | {theirs.side} {theirs.rate:,.0f} "
               f"rows/s | ratio {ours.rate / theirs.rate:.2f} ({goal})")
+    ours, theirs = pairs["write"]
+    print(f"writer cost per row: reservoir {1e6 / ours.rate:.1f} us, bare COPY "
+          f"{1e6 / theirs.rate:.1f} us, Reservoir's own {1e6 / ours.rate - 1e6 / theirs.rate:.1f} "
+          "us (validation, encoding, ids)")
 
 
 NOTES = """\
-notes: the bare COPY's rows were encoded (bytes, JSON text) before timing, so the baseline is
-  the driver and server cost alone; Reservoir's validation and encoding are timed. The bare
-  lease is one UPDATE .. RETURNING per batch (its own transaction) and commits no step; 'lease
-  only' is the lease part of Reservoir's lease+commit loop, against the same bare loop; 'like
-  for like' runs the bare lease and then the ledger's own commit statement on bare tables
-  through raw asyncpg: the same server work as Reservoir, none of its Python."""
+notes: the bare COPY's rows were encoded (bytes, JSON text) before timing and its ids are
+  counted in Python, so the baseline is the driver and server cost alone; Reservoir's
+  validation, encoding and id draw are timed. The bare lease is one UPDATE .. RETURNING per
+  batch (its own transaction) on a one-table queue (each lease rewrites the wide row) and
+  commits no step; Reservoir's lease+commit rewrites the narrow state row twice and writes
+  the step and one ledger row per experience. Scaling: each writer is a process of its own
+  with its own connection; rows/s is all rows over the time from the first start to the last
+  end."""
 
 
 def cleanup(bare: Bare, run: str, run_id: int) -> None:
     start = time.perf_counter()
-    bare.execute(f"DROP TABLE IF EXISTS {BARE_ITEMS}, {BARE_STEPS}, {BARE}")
-    rows = bare.fetch("SELECT count(*) FROM experiences WHERE run_id = $1", run_id)[0][0]
+    bare.execute(f"DROP TABLE IF EXISTS {BARE_STATE}, {BARE_DATA}, {BARE_QUEUE}")
+    rows = bare.fetch("SELECT count(*) FROM experience_state WHERE run_id = $1", run_id)[0][0]
     bare.execute("DELETE FROM runs WHERE name = $1", run)
     console.print(f"clean-up: dropped the bare tables, deleted run {run} and its {rows:,} "
                   f"experiences in {time.perf_counter() - start:.1f}s")
@@ -537,7 +540,7 @@ def cleanup(bare: Bare, run: str, run_id: int) -> None:
 
 
 def run_bench(store: Store, bare: Bare, run: str, run_id: int, args) -> dict[str, list[Measure]]:
-    console.print("bare table: " + create_bare_table(bare))
+    console.print("bare tables: " + create_bare_tables(bare))
     started = time.perf_counter()
     calls = -(-args.write_rows // (args.write_batch_groups * args.group_size))
     pool = make_pool(run, calls * args.write_batch_groups, args.group_size, args.seed)
@@ -554,7 +557,65 @@ def run_bench(store: Store, bare: Bare, run: str, run_id: int, args) -> dict[str
     for line in plans:
         console.print(line, highlight=False)
     drift_note(pairs["lease+commit"][1], plans)
+    for writers in WRITERS:
+        pairs[f"{writers} writer{'s' if writers > 1 else ''}"] = measure_scaling(
+            store.url, run, run_id, writers, args)
     return pairs
+
+
+# --- N writer processes ---------------------------------------------------------------------
+
+
+def _writer_process(side: str, url: str, run: str, run_id: int, rows: int, seed: int, args,
+                    ready, results) -> None:
+    """One writer: make its rows (untimed), wait for the others, write, report its times."""
+    per_call = args.write_batch_groups
+    pool = make_pool(run, rows // args.group_size, args.group_size, seed)
+    config = ReservoirConfig(store=StoreConfig(url=url), sampler=SamplerConfig(unit="rows"))
+    store = Store.open(config, quiet=True) if side == "reservoir" else None
+    bare = Bare(url) if side == "bare" else None
+    records = pool.records(run_id, 0, len(pool.groups), count(seed * 10**5)) if bare else None
+    ready.wait()
+    start = time.time()
+    try:
+        if store is not None:
+            timed_writes(store, pool.groups, per_call)
+            store.close()
+        else:
+            bare.copy(records, per_call * args.group_size)
+            bare.close()
+    except Exception as exc:
+        results.put(exc)
+        raise
+    results.put((start, time.time()))
+
+
+def measure_scaling(url: str, run: str, run_id: int, writers: int, args) -> list[Measure]:
+    """Rows/s of `writers` processes writing at once, through Reservoir and bare (alternating)."""
+    ours, theirs = Measure("reservoir"), Measure("bare COPY")
+    context = multiprocessing.get_context("spawn")
+    rows = args.scaling_rows // (args.write_batch_groups * args.group_size) \
+        * args.write_batch_groups * args.group_size
+    for r in range(args.repeat):
+        for side, measure in ((("reservoir", ours), ("bare", theirs)) if r % 2 == 0
+                              else (("bare", theirs), ("reservoir", ours))):
+            ready, results = context.Barrier(writers + 1), context.Queue()
+            procs = [context.Process(target=_writer_process, args=(
+                side, url, run, run_id, rows, 10_000 * writers + 1000 * (r + 1) + w, args, ready,
+                results))
+                for w in range(writers)]
+            for proc in procs:
+                proc.start()
+            ready.wait()
+            times = [results.get(timeout=600) for _ in procs]
+            for proc in procs:
+                proc.join()
+            for failed in (t for t in times if isinstance(t, Exception)):
+                raise SystemExit(f"a {side} writer process failed: {failed}")
+            measure.add(rows * writers, max(e for _, e in times) - min(s for s, _ in times))
+        console.print(f"  {writers} writer(s), repeat {r + 1}: reservoir {ours.rates[-1]:,.0f} "
+                      f"rows/s, bare COPY {theirs.rates[-1]:,.0f} rows/s")
+    return [ours, theirs]
 
 
 def main() -> None:
@@ -572,7 +633,7 @@ def main() -> None:
         print(NOTES)
     finally:
         if args.keep:
-            console.print(f"kept run {run} and table {BARE}")
+            console.print(f"kept run {run} and the bare tables")
         else:
             cleanup(bare, run, run_id)
         bare.close()

@@ -18,6 +18,10 @@ of it) twice. Now:
   fails with a serialization error (SQLSTATE 40001), so a pipeline's update can never overwrite
   a lease taken meanwhile. The hot paths (writer, sampler, ledger) use the tables directly.
 
+The ledger's foreign key (batch_items.experience_id) now names `experience_state`: the key
+check locks the referenced row, and the step's own UPDATE already holds the narrow one, so a
+commit no longer marks the wide data rows it trains on.
+
 Existing rows move: their state is copied into `experience_state`; the moved columns are dropped
 from `experience_data` (their bytes stay in old tuples until those are rewritten). Analytics
 views are recreated unchanged on the view.
@@ -158,6 +162,13 @@ def _restore_analytics_views(saved) -> None:
     op.execute("GRANT SELECT ON ALL TABLES IN SCHEMA analytics TO reservoir_reader")
 
 
+def _ledger_names(table: str) -> None:
+    op.execute(f"""
+        ALTER TABLE batch_items DROP CONSTRAINT batch_items_experience_id_fkey,
+            ADD CONSTRAINT batch_items_experience_id_fkey FOREIGN KEY (experience_id)
+            REFERENCES {table} (id) ON DELETE CASCADE""")
+
+
 def upgrade() -> None:
     saved = _save_analytics_views()
     op.execute("""
@@ -188,6 +199,7 @@ def upgrade() -> None:
         INSERT INTO experience_state (id, run_id, {_columns('', STATE)})
         SELECT id, run_id, {_columns('', STATE)} FROM experience_data;""")
     op.execute(STATE_INDEXES)
+    _ledger_names("experience_state")
     op.execute("ALTER TABLE experience_data " + ", ".join(f"DROP COLUMN {name}" for name in STATE))
     op.execute(_view())
     op.execute(_triggers())
@@ -208,8 +220,10 @@ def downgrade() -> None:
     op.execute(f"""
         UPDATE experience_data d SET ({_columns('', STATE)}) = ({_columns('s.', STATE)})
         FROM experience_state s WHERE s.id = d.id;
+        DROP INDEX experience_data_run;""")
+    _ledger_names("experience_data")
+    op.execute(f"""
         DROP TABLE experience_state;
-        DROP INDEX experience_data_run;
         ALTER INDEX experience_data_pkey RENAME TO experiences_pkey;
         ALTER INDEX experience_data_task RENAME TO experiences_task;
         ALTER INDEX experience_data_parent RENAME TO experiences_parent;

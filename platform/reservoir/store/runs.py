@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, delete, func, select, text, update
+from sqlalchemy import BigInteger, Connection, bindparam, delete, func, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.errors import StoreError
@@ -77,6 +78,16 @@ def counters(run_ids: list[int]):
 def add_inserted(run_id: int, n: int):
     return (update(runs).where(runs.c.id == run_id)
             .values(rows_inserted=runs.c.rows_inserted + n, updated_at=func.now()))
+
+
+# Statement: add rows written to each run's counter and notify each run's channel (at commit).
+INSERTED_AND_NOTIFY = text("""
+UPDATE runs SET rows_inserted = rows_inserted + w.n, updated_at = now()
+FROM unnest(:run_ids, :counts) AS w (run_id, n)
+WHERE runs.id = w.run_id
+RETURNING pg_notify(concat('reservoir_rows_', runs.id), CAST(:what AS text))
+""").bindparams(bindparam("run_ids", type_=ARRAY(BigInteger)),
+                bindparam("counts", type_=ARRAY(BigInteger)))
 
 
 def set_status(conn: Connection, run_id: int, status: str) -> None:

@@ -203,8 +203,8 @@ batch_items = Table(
     metadata,
     Column("train_step_id", BigInteger, ForeignKey("train_steps.id", ondelete="CASCADE"),
            nullable=False),
-    Column("experience_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
-           nullable=False),
+    Column("experience_id", BigInteger, ForeignKey("experience_state.id", ondelete="CASCADE"),
+           nullable=False),  # the narrow row: the key check locks it, not the wide one
     Column("policy_version", Integer, nullable=False),
     Column("weight", Float, nullable=False, server_default="1"),
     PrimaryKeyConstraint("train_step_id", "experience_id", name="batch_items_pkey"),

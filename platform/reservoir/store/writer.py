@@ -1,11 +1,13 @@
-"""Writing groups of experiences: validated first, then COPY in one transaction.
+"""Writing groups of experiences: checked, then COPY in one transaction.
 
 A row is two rows (schema.py): its data and its state, each sent by one COPY, with ids drawn
-from the data table's sequence in one statement first. Rows are encoded while the server
-takes the COPY (the records are a generator asyncpg reads chunk by chunk), so Python's
-encoding and the server's insert work overlap.
+from the data table's sequence in one statement first. Groups are admitted (structure, run,
+size, new id) before the transaction; their rows are checked and encoded while the server
+takes the COPY (the records are a generator asyncpg reads 512 KB at a time), so Python's work
+and the server's inserts overlap. A bad row in "raise" mode ends the COPY and rolls the whole
+transaction back.
 
-Rules checked before anything is written: every field has its type; token, logprob and mask
+Rules checked before anything is committed: every field has its type; token, logprob and mask
 lengths agree; the reward and its components are finite, logprobs finite as stored (float32)
 and <= 0; texts are valid Unicode without NUL and the response is not empty; the run exists; a
 group has the size its run declares; a group id is new (a group is written once: the unique
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Literal, Sequence
 
 import asyncpg
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -31,14 +33,14 @@ from reservoir.config import SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
 from reservoir.store import runs
 from reservoir.store.flow import RateLimit
-from reservoir.store.notify import NOTIFY_ROWS, AsyncWake, rows_channel
+from reservoir.store.notify import AsyncWake, rows_channel
 from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
                                      shape_group, values_ok)
 from reservoir.store.schema import experience_state
 
 DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS
 STATE_COLUMNS = ("id", "run_id", "group_id", "group_row", "policy_version", "status")
-NEXT_IDS = "SELECT nextval('experience_data_id_seq') FROM generate_series(1, $1)"
+NEXT_IDS = text("SELECT nextval('experience_data_id_seq') FROM generate_series(1, :n)")
 WRITABLE = ("raw", "ready")
 
 
@@ -68,11 +70,12 @@ async def write_groups(
 ) -> WriteResult:
     """Write groups in one transaction. With on_invalid="skip", bad groups are returned, not raised.
 
-    Every group is checked before anything is sent: structure row by row, values (token ranges,
-    finite logprobs, 0/1 masks) in one pass over the whole batch. A bad group in "raise" mode
-    raises ExperienceInvalid and nothing is written. `before_copy(conn)` runs in the same
-    transaction before the rows go in (what must commit with them); if it raises, nothing is
-    written.
+    Every group is checked before it is committed: its structure, run, size and id before the
+    transaction, its rows (types, texts, rewards, JSON) and values (token ranges, finite
+    logprobs, 0/1 masks, one pass per chunk of groups) while the COPY streams. A bad group in
+    "raise" mode raises ExperienceInvalid and the transaction rolls back: nothing is written.
+    `before_copy(conn)` runs in the same transaction before the rows go in (what must commit
+    with them); if it raises, nothing is written.
     """
     if status not in WRITABLE:
         raise StoreError(f"status {status!r}: the writer writes raw or ready rows (the sampler, "
@@ -83,88 +86,142 @@ async def write_groups(
     heads = [group[0] for group in groups  # first rows of what look like groups; the checks
              if isinstance(group, Sequence) and group  # below name everything else
              and isinstance(group[0], Experience)]
-    run_info, existing = await _lookup(
-        engine, sorted({head.run for head in heads if isinstance(head.run, str)}),
-        sorted({head.group_id for head in heads if isinstance(head.group_id, uuid.UUID)}))
-    checked = _checked_groups(groups, run_info, existing, on_invalid, result)
-    rows_per_run: Counter = Counter()
-    for group in checked:
-        rows_per_run[group.run_id] += len(group.shaped.rows)
-        result.group_ids.append(group.group_id)
-    result.groups, result.rows = len(checked), sum(rows_per_run.values())
-    if not checked:
-        return result
-    await _wait_for_room(engine, rows_per_run, flow)
     try:
-        async with engine.begin() as conn:
-            for run_id, n in sorted(rows_per_run.items()):  # also opens the transaction COPY joins
-                await conn.execute(runs.add_inserted(run_id, n))
+        async with engine.begin() as conn:  # one connection: lookups, ids, rows, counters
+            run_info, existing = await _lookup(
+                conn, sorted({head.run for head in heads if isinstance(head.run, str)}),
+                sorted({head.group_id for head in heads if isinstance(head.group_id, uuid.UUID)}))
+            admitted = _admitted_groups(groups, run_info, existing, on_invalid, result)
+            if not admitted:
+                return result
+            planned: Counter = Counter()
+            for group in admitted:
+                planned[group.run_id] += len(group.rows)
+            await _wait_for_room(engine, planned, flow)
+            ids = (await conn.execute(NEXT_IDS, {"n": sum(planned.values())})).scalars().all()
             if before_copy is not None:
                 await before_copy(conn)
-            await _copy(conn, checked, status, result.rows)
-            await conn.execute(NOTIFY_ROWS, {"run_ids": sorted(rows_per_run), "what": status})
+            stream = _Stream(admitted, on_invalid, result)
+            await _copy(conn, stream, ids, status)
+            written = sorted(stream.rows_per_run().items())
+            await conn.execute(runs.INSERTED_AND_NOTIFY, {
+                "run_ids": [r for r, _ in written], "counts": [n for _, n in written],
+                "what": status})
     except asyncpg.UniqueViolationError as exc:
         raise StoreError(f"a group id of this batch was written by another writer meanwhile "
                          f"({exc.constraint_name}); nothing of this batch was written") from None
     except (asyncpg.PostgresError, DBAPIError) as exc:
-        raise StoreError(f"writing {result.rows} rows in {result.groups} groups failed in the "
-                         f"database; nothing of this batch was written: {exc}") from exc
+        raise StoreError(f"writing {len(admitted)} groups failed in the database; nothing of "
+                         f"this batch was written: {exc}") from exc
+    result.group_ids = [group.group_id for group in stream.accepted]
+    result.groups, result.rows = len(stream.accepted), sum(n for _, n in written)
+    result.rejected.sort(key=lambda exc: exc.group_index)
     return result
 
 
-async def _copy(conn: AsyncConnection, checked: list[_CheckedGroup], status: str,
-                n: int) -> None:
-    """COPY the groups' data rows (encoded as the server reads them), then their state rows."""
+async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status: str) -> None:
+    """COPY the data rows (checked and encoded as asyncpg reads them), then the state rows of
+    the groups that passed; a bad group in "raise" mode ends the data and raises here (the
+    caller's transaction rolls back)."""
     raw = (await conn.get_raw_connection()).driver_connection
-    ids = [row[0] for row in await raw.fetch(NEXT_IDS, n)]
     await raw.copy_records_to_table("experience_data", columns=DATA_COLUMNS,
-                                    records=_data_records(checked, ids))
+                                    records=stream.data_records(ids))
+    if stream.error is not None:
+        raise stream.error
     await raw.copy_records_to_table("experience_state", columns=STATE_COLUMNS,
-                                    records=_state_records(checked, ids, status))
+                                    records=stream.state_records(ids, status))
 
 
-def _data_records(checked: list[_CheckedGroup], ids: list[int]):
-    next_id = iter(ids)
-    for group in checked:
-        for row in group.shaped.encode():
-            yield (next(next_id), group.run_id) + row
+@dataclass(frozen=True)
+class _Admitted:
+    index: int
+    run_id: int
+    group_id: uuid.UUID
+    rows: Sequence[Experience]
 
 
-def _state_records(checked: list[_CheckedGroup], ids: list[int], status: str):
-    next_id = iter(ids)
-    for group in checked:
-        version = int(group.shaped.group[0].policy_version)
-        for index in range(len(group.shaped.rows)):
-            yield next(next_id), group.run_id, group.group_id, index, version, status
+class _Stream:
+    """The admitted groups, checked row by row and encoded while the server takes the COPY:
+    the server inserts one chunk while Python checks the next."""
+
+    CHUNK_GROUPS = 16  # values are checked in one vectorised pass per chunk
+
+    def __init__(self, admitted: list[_Admitted], on_invalid: str, result: WriteResult):
+        self.admitted, self.on_invalid, self.result = admitted, on_invalid, result
+        self.accepted: list[_CheckedGroup] = []
+        self.error: ExperienceInvalid | None = None
+
+    def data_records(self, ids: list[int]):
+        next_id = iter(ids)
+        for start in range(0, len(self.admitted), self.CHUNK_GROUPS):
+            passing = self._check(self.admitted[start:start + self.CHUNK_GROUPS])
+            if passing is None:
+                return  # "raise": the first bad group ends the COPY; _copy raises it
+            for group in passing:
+                self.accepted.append(group)
+                for row in group.shaped.encode():
+                    yield (next(next_id), group.run_id) + row
+
+    def state_records(self, ids: list[int], status: str):
+        next_id = iter(ids)
+        for group in self.accepted:
+            version = int(group.shaped.group[0].policy_version)
+            for index in range(len(group.shaped.rows)):
+                yield next(next_id), group.run_id, group.group_id, index, version, status
+
+    def rows_per_run(self) -> Counter:
+        counts: Counter = Counter()
+        for group in self.accepted:
+            counts[group.run_id] += len(group.shaped.rows)
+        return counts
+
+    def _check(self, chunk: list[_Admitted]) -> list[_CheckedGroup] | None:
+        """The chunk's groups that pass; None once a bad group was found in "raise" mode."""
+        shaped = []
+        for group in chunk:
+            try:
+                shaped.append(_CheckedGroup(group.run_id, group.group_id,
+                                            shape_group(group.rows, group.index)))
+            except ExperienceInvalid as exc:
+                if not self._reject(exc):
+                    return None
+        if values_ok([row for group in shaped for row in group.shaped.rows]):
+            return shaped
+        passing = []
+        for group in shaped:  # slow path: find the groups with bad values
+            try:
+                group.shaped.check_values()
+                passing.append(group)
+            except ExperienceInvalid as exc:
+                if not self._reject(exc):
+                    return None
+        return passing
+
+    def _reject(self, exc: ExperienceInvalid) -> bool:
+        """Keep going after a bad group ("skip"), or remember it and stop ("raise")."""
+        if self.on_invalid == "raise":
+            self.error = exc
+            return False
+        self.result.rejected.append(exc)
+        return True
 
 
-def _checked_groups(groups, run_info, existing: set[uuid.UUID], on_invalid,
-                    result: WriteResult) -> list[_CheckedGroup]:
-    """Groups that pass every rule; the others raise or land in result.rejected."""
-    checked: list[_CheckedGroup] = []
+def _admitted_groups(groups, run_info, existing: set[uuid.UUID], on_invalid,
+                     result: WriteResult) -> list[_Admitted]:
+    """Groups whose structure, run, size and id pass; the others raise or land in
+    result.rejected (their rows are checked while they stream)."""
+    admitted: list[_Admitted] = []
     seen: set[uuid.UUID] = set()
     for index, group in enumerate(groups):
         try:
-            one = _check_group(group, index, run_info)
+            one = _admit(group, index, run_info)
             _check_new(one.group_id, index, existing, seen)
-            checked.append(one)
+            admitted.append(one)
         except ExperienceInvalid as exc:
             if on_invalid == "raise":
                 raise
             result.rejected.append(exc)
-    if values_ok([row for group in checked for row in group.shaped.rows]):
-        return checked
-    passing = []
-    for group in checked:  # slow path: find the groups with bad values
-        try:
-            group.shaped.check_values()
-            passing.append(group)
-        except ExperienceInvalid as exc:
-            if on_invalid == "raise":
-                raise
-            result.rejected.append(exc)
-    result.rejected.sort(key=lambda exc: exc.group_index)
-    return passing
+    return admitted
 
 
 def _check_new(group_id: uuid.UUID, index: int, existing: set[uuid.UUID],
@@ -180,14 +237,11 @@ def _check_new(group_id: uuid.UUID, index: int, existing: set[uuid.UUID],
     seen.add(group_id)
 
 
-async def _lookup(engine: AsyncEngine, names: list[str], group_ids: list[uuid.UUID]
+async def _lookup(conn: AsyncConnection, names: list[str], group_ids: list[uuid.UUID]
                   ) -> tuple[dict[str, tuple[int, int | None]], set[uuid.UUID]]:
     """The runs by name (id, group size), and which of the given group ids already exist."""
-    if not names and not group_ids:
-        return {}, set()
-    async with engine.connect() as conn:
-        rows = (await conn.execute(runs.lookup(names))).all() if names else []
-        taken = (await conn.execute(existing_groups(group_ids))).scalars().all() if group_ids else []
+    rows = (await conn.execute(runs.lookup(names))).all() if names else []
+    taken = (await conn.execute(existing_groups(group_ids))).scalars().all() if group_ids else []
     return {row.name: (row.id, row.group_size) for row in rows}, set(taken)
 
 
@@ -197,8 +251,8 @@ def existing_groups(group_ids: list[uuid.UUID]):
             .where(experience_state.c.group_id.in_(group_ids), experience_state.c.group_row == 0))
 
 
-def _check_group(group: Sequence[Experience], index: int,
-                 run_info: dict[str, tuple[int, int | None]]) -> _CheckedGroup:
+def _admit(group: Sequence[Experience], index: int,
+           run_info: dict[str, tuple[int, int | None]]) -> _Admitted:
     check_group_shape(group, index)
     first = group[0]
     if first.run not in run_info:
@@ -212,7 +266,7 @@ def _check_group(group: Sequence[Experience], index: int,
             f"group {index}: {len(group)} rows, but run {first.run!r} declares group_size "
             f"{group_size}; nothing of this group was written",
             group_index=index, row_index=None, field="group_size")
-    return _CheckedGroup(run_id, first.group_id or uuid.uuid4(), shape_group(group, index))
+    return _Admitted(index, run_id, first.group_id or uuid.uuid4(), group)
 
 
 async def _wait_for_room(engine: AsyncEngine, rows_per_run: Counter, flow: SamplerConfig) -> None:
