@@ -17,7 +17,8 @@ from reservoir.store.sampler import Lease
 from reservoir.store.schema import batch_items, batch_pairs, preferences, train_steps
 
 # One statement: the lease's rows become consumed, the step row is inserted, and one ledger row
-# per consumed experience joins the two. It returns one row per ledger entry written.
+# per consumed experience joins the two. It returns the step's id and how many ledger rows it
+# wrote (one row: a result of 256 rows cost the client more than the server's inserts).
 COMMIT_STEP = text("""
 WITH consumed AS (
     UPDATE experience_state
@@ -32,11 +33,13 @@ WITH consumed AS (
 ), weighted AS (
     SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:weights AS float8[]))
         AS w (experience_id, weight)
+), items AS (
+    INSERT INTO batch_items (train_step_id, experience_id, policy_version, weight)
+    SELECT step.id, consumed.id, :policy_version, weighted.weight
+    FROM consumed JOIN weighted ON weighted.experience_id = consumed.id CROSS JOIN step
+    RETURNING train_step_id
 )
-INSERT INTO batch_items (train_step_id, experience_id, policy_version, weight)
-SELECT step.id, consumed.id, :policy_version, weighted.weight
-FROM consumed JOIN weighted ON weighted.experience_id = consumed.id CROSS JOIN step
-RETURNING train_step_id
+SELECT (SELECT id FROM step), (SELECT count(*) FROM items)
 """).bindparams(
     bindparam("token", type_=UUID(as_uuid=True)),
     bindparam("metrics", type_=JSONB),
@@ -71,19 +74,19 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
                   weights=[float(w) for w in weights] if weights is not None else [1.0] * len(ids))
     async with engine.begin() as conn:
         try:
-            written = (await conn.execute(COMMIT_STEP, params)).scalars().all()
+            step_id, written = (await conn.execute(COMMIT_STEP, params)).one()
         except IntegrityError as exc:
             if "train_steps_run_step" in str(exc.orig):
                 raise StoreError(f"step {step} of run id {run_id} is already committed; "
                                  "nothing was consumed") from exc
             raise StoreError(f"step {step} could not be committed; nothing was consumed: "
                              f"{exc.orig}") from exc
-        if len(written) != len(ids):
+        if written != len(ids):
             await conn.rollback()
             raise LeaseLost(
-                f"step {step}: lease {lease.token} holds {len(written)} of its {len(ids)} rows "
+                f"step {step}: lease {lease.token} holds {written} of its {len(ids)} rows "
                 "(it expired and was reclaimed); nothing was consumed, lease a new batch")
-    return written[0]
+    return step_id
 
 
 def record_step(conn: Connection, run_id: int, step: int, *, policy_version: int,
