@@ -61,7 +61,7 @@ from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
 from reservoir.store import Experience, Store, codec
 from reservoir.store.engine import redact
 from reservoir.store.sampler import lease_statement
-from reservoir.store.writer import DATA_COLUMNS, STATE_COLUMNS
+from reservoir.store.writer import COPY_DATA_COLUMNS, COPY_STATE_COLUMNS
 
 BARE_DATA, BARE_STATE = "bench_bare_data", "bench_bare_state"
 BARE_QUEUE = "bench_bare_queue"  # one wide row per experience: the layout before 0012
@@ -114,7 +114,7 @@ class Pool:
     encoded: list[list[tuple]]  # per group, per row: the encoded column values
 
     def records(self, run_id: int, start: int, stop: int, ids) -> tuple[list, list]:
-        """COPY tuples (DATA_COLUMNS, STATE_COLUMNS order) of groups[start:stop], with ids
+        """COPY tuples (COPY_DATA_COLUMNS, COPY_STATE_COLUMNS order) of groups[start:stop], with ids
         from `ids` and fresh group ids."""
         data, state = [], []
         for group in self.encoded[start:stop]:
@@ -161,7 +161,7 @@ def asyncpg_args(url: str) -> dict:
                 user=parsed.username, password=parsed.password, database=parsed.database)
 
 
-QUEUE_COLUMNS = DATA_COLUMNS + STATE_COLUMNS[2:]
+QUEUE_COLUMNS = COPY_DATA_COLUMNS + COPY_STATE_COLUMNS[2:]
 
 
 class Bare:
@@ -194,9 +194,9 @@ class Bare:
         for i in range(0, len(data), rows_per_call):
             async with self.conn.transaction():
                 await self.conn.copy_records_to_table(
-                    BARE_DATA, records=data[i:i + rows_per_call], columns=DATA_COLUMNS)
+                    BARE_DATA, records=data[i:i + rows_per_call], columns=COPY_DATA_COLUMNS)
                 await self.conn.copy_records_to_table(
-                    BARE_STATE, records=state[i:i + rows_per_call], columns=STATE_COLUMNS)
+                    BARE_STATE, records=state[i:i + rows_per_call], columns=COPY_STATE_COLUMNS)
         return time.perf_counter() - start
 
     def copy_queue(self, records: tuple[list, list]) -> None:

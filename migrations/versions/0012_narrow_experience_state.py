@@ -43,17 +43,27 @@ ORDER = ("id", "run_id", "task_id", "group_id", "group_row", "policy_version", "
          "response_text", "prompt_ids", "response_ids", "logprobs", "action_mask", "reward",
          "shaped_reward", "reward_components", "metadata", "status", "priority", "times_sampled",
          "lease_token", "leased_until", "parent_id", "prompt_len", "response_len", "created_at")
-STATE_INDEXES = """
-CREATE INDEX experience_state_ready ON experience_state (run_id, created_at, id)
+
+
+def _lease_indexes(table: str) -> str:
+    """The indexes that serve leases, on the table that holds the state (named after it)."""
+    return f"""
+CREATE INDEX {table}_ready ON {table} (run_id, created_at, id) WHERE status = 'ready';
+CREATE INDEX {table}_ready_priority ON {table} (run_id, priority DESC, id)
     WHERE status = 'ready';
-CREATE INDEX experience_state_ready_priority ON experience_state (run_id, priority DESC, id)
-    WHERE status = 'ready';
-CREATE INDEX experience_state_leased ON experience_state (leased_until) WHERE status = 'leased';
-CREATE UNIQUE INDEX experience_state_group_row ON experience_state (group_id, group_row);
-CREATE INDEX experience_state_run_status ON experience_state (run_id, status);
-CREATE INDEX experience_state_lease_token ON experience_state (lease_token)
-    WHERE lease_token IS NOT NULL;
+CREATE INDEX {table}_leased ON {table} (leased_until) WHERE status = 'leased';
+CREATE UNIQUE INDEX {table}_group_row ON {table} (group_id, group_row);
+CREATE INDEX {table}_run_status ON {table} (run_id, status);
+CREATE INDEX {table}_lease_token ON {table} (lease_token) WHERE lease_token IS NOT NULL;
 """
+
+
+def _state_checks(table: str) -> list[str]:
+    """The state's CHECK constraints (named after the table that holds them)."""
+    return [f"CONSTRAINT {table}_status_valid CHECK (status IN {EXPERIENCE_STATUSES})",
+            f"CONSTRAINT {table}_lease_iff_leased "
+            "CHECK ((status = 'leased') = (lease_token IS NOT NULL))",
+            f"CONSTRAINT {table}_group_row_valid CHECK (group_row >= 0)"]
 
 
 def _columns(prefix: str, names) -> str:
@@ -191,14 +201,11 @@ def upgrade() -> None:
             lease_token uuid,
             leased_until timestamptz,
             created_at timestamptz NOT NULL DEFAULT now(),
-            CONSTRAINT experience_state_status_valid CHECK (status IN {EXPERIENCE_STATUSES}),
-            CONSTRAINT experience_state_lease_iff_leased
-                CHECK ((status = 'leased') = (lease_token IS NOT NULL)),
-            CONSTRAINT experience_state_group_row_valid CHECK (group_row >= 0)
+            {", ".join(_state_checks("experience_state"))}
         );
         INSERT INTO experience_state (id, run_id, {_columns('', STATE)})
         SELECT id, run_id, {_columns('', STATE)} FROM experience_data;""")
-    op.execute(STATE_INDEXES)
+    op.execute(_lease_indexes("experience_state"))
     _ledger_names("experience_state")
     op.execute("ALTER TABLE experience_data " + ", ".join(f"DROP COLUMN {name}" for name in STATE))
     op.execute(_view())
@@ -234,17 +241,6 @@ def downgrade() -> None:
             ALTER COLUMN policy_version SET NOT NULL, ALTER COLUMN status SET NOT NULL,
             ALTER COLUMN priority SET NOT NULL, ALTER COLUMN times_sampled SET NOT NULL,
             ALTER COLUMN created_at SET NOT NULL,
-            ADD CONSTRAINT experiences_status_valid CHECK (status IN {EXPERIENCE_STATUSES}),
-            ADD CONSTRAINT experiences_lease_iff_leased
-                CHECK ((status = 'leased') = (lease_token IS NOT NULL)),
-            ADD CONSTRAINT experiences_group_row_valid CHECK (group_row >= 0);
-        CREATE INDEX experiences_ready ON experiences (run_id, created_at, id)
-            WHERE status = 'ready';
-        CREATE INDEX experiences_ready_priority ON experiences (run_id, priority DESC, id)
-            WHERE status = 'ready';
-        CREATE INDEX experiences_leased ON experiences (leased_until) WHERE status = 'leased';
-        CREATE UNIQUE INDEX experiences_group_row ON experiences (group_id, group_row);
-        CREATE INDEX experiences_run_status ON experiences (run_id, status);
-        CREATE INDEX experiences_lease_token ON experiences (lease_token)
-            WHERE lease_token IS NOT NULL;""")
+            {", ".join("ADD " + check for check in _state_checks("experiences"))};""")
+    op.execute(_lease_indexes("experiences"))
     _restore_analytics_views(saved)

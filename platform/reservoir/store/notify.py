@@ -23,14 +23,17 @@ from sqlalchemy.types import BigInteger
 from reservoir.store.retry import is_outage
 
 
+ROWS_CHANNEL = "reservoir_rows_"  # + the run id; SQL that notifies builds the same name
+
+
 def rows_channel(run_id: int) -> str:
-    return f"reservoir_rows_{int(run_id)}"
+    return f"{ROWS_CHANNEL}{int(run_id)}"
 
 
 # Statement: tell each run's channel that its rows changed (delivered when the transaction
 # commits; nothing if it rolls back).
-NOTIFY_ROWS = text("""
-SELECT count(pg_notify(concat('reservoir_rows_', run_id), CAST(:what AS text)))
+NOTIFY_ROWS = text(f"""
+SELECT count(pg_notify(concat('{ROWS_CHANNEL}', run_id), CAST(:what AS text)))
 FROM unnest(:run_ids) AS run_id
 """).bindparams(bindparam("run_ids", type_=ARRAY(BigInteger)))
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, func, select
 
 from reservoir.store.sampler import status_in
-from reservoir.store.schema import experience_state as state, policy_versions, runs, tasks, train_steps
+from reservoir.store.schema import experience_state as state
+from reservoir.store.schema import policy_versions, runs, tasks, train_steps
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, and_, 
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 
 from reservoir.store.ledger import finite
+from reservoir.store.notify import ROWS_CHANNEL
 from reservoir.store.runs import add_inserted
 from reservoir.store.urls import scrub
 from reservoir.store.schema import experience_state as state
@@ -142,8 +143,8 @@ WHERE e.id = v.id
     bindparam("action_mask", type_=ARRAY(LargeBinary)))
 
 
-NOTIFY_CHANGED = text("""
-SELECT count(pg_notify(concat('reservoir_rows_', run_id), 'changed'))
+NOTIFY_CHANGED = text(f"""
+SELECT count(pg_notify(concat('{ROWS_CHANNEL}', run_id), 'changed'))
 FROM (SELECT DISTINCT run_id FROM experience_state WHERE id = ANY(:ids)) AS changed
 """).bindparams(bindparam("ids", type_=ARRAY(BigInteger)))
 

@@ -49,8 +49,8 @@ class Experience:
     parent_id: int | None = None
 
 
-# Column order of the tuples ShapedGroup.encode returns (the writer prefixes run_id, group_id, status).
-# What a row of experience_data holds beside its id and run (the writer adds those).
+# Column order of the tuples ShapedGroup.encode returns: what a row of experience_data holds
+# beside its id and run (the writer prefixes those).
 ROW_COLUMNS = (
     "task_id", "prompt_text", "response_text", "prompt_ids", "response_ids",
     "logprobs", "action_mask", "reward", "reward_components", "metadata", "parent_id",

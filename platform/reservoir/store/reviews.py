@@ -12,7 +12,8 @@ from sqlalchemy.orm import aliased
 
 from reservoir.errors import StoreError
 from reservoir.store.preferences import Pair, insert_pairs
-from reservoir.store.schema import experience_state, experiences, preferences, review_actions, reviews, runs
+from reservoir.store.schema import (experience_state, experiences, preferences, review_actions,
+                                    reviews, runs)
 
 VERDICT_STATUS = {"accept": "ready", "reject": "quarantined"}
 SOURCES = ("web", "cli")

@@ -9,6 +9,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.errors import StoreError
+from reservoir.store.notify import ROWS_CHANNEL
 from reservoir.store.schema import experiences, policy_versions, runs, train_steps
 from reservoir.store.urls import scrub
 
@@ -81,11 +82,11 @@ def add_inserted(run_id: int, n: int):
 
 
 # Statement: add rows written to each run's counter and notify each run's channel (at commit).
-INSERTED_AND_NOTIFY = text("""
+INSERTED_AND_NOTIFY = text(f"""
 UPDATE runs SET rows_inserted = rows_inserted + w.n, updated_at = now()
 FROM unnest(:run_ids, :counts) AS w (run_id, n)
 WHERE runs.id = w.run_id
-RETURNING pg_notify(concat('reservoir_rows_', runs.id), CAST(:what AS text))
+RETURNING pg_notify(concat('{ROWS_CHANNEL}', runs.id), CAST(:what AS text))
 """).bindparams(bindparam("run_ids", type_=ARRAY(BigInteger)),
                 bindparam("counts", type_=ARRAY(BigInteger)))
 

@@ -37,8 +37,8 @@ from reservoir.store.schema import runs as runs_table
 # them: people may take days, so the rest of its group trains as a partial group (the lease
 # reports it, the step's metrics count it).
 SETTLING = ("raw", "leased")
-# fifo / lifo order by insertion time, then id: only the partial index experiences_ready
-# (run_id, created_at, id) WHERE status = 'ready' (experience_state_ready) serves that order, so the planner cannot pick
+# fifo / lifo order by insertion time, then id: only the partial index experience_state_ready
+# (run_id, created_at, id) WHERE status = 'ready' serves that order, so the planner cannot pick
 # a primary-key scan that walks every consumed row ahead of the ready ones.
 ORDERS = {
     "fifo": (e.c.created_at.asc(), e.c.id.asc()),

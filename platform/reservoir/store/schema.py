@@ -172,16 +172,16 @@ EXPERIENCE_COLUMNS = ("id", "run_id", "task_id", "group_id", "group_row", "polic
                       "action_mask", "reward", "shaped_reward", "reward_components", "metadata",
                       "status", "priority", "times_sampled", "lease_token", "leased_until",
                       "parent_id", "prompt_len", "response_len", "created_at")
-STATE_COLUMNS = tuple(c.name for c in experience_state.columns if c.name not in ("id", "run_id"))
-DATA_COLUMNS = tuple(c.name for c in experience_data.columns if c.name not in ("id", "run_id"))
 
 
 def _view_column(name: str) -> Column:
-    table = experience_state if name in STATE_COLUMNS else experience_data
+    """The view's column, typed as in the table that holds it (id and run_id: both do)."""
+    table = experience_state if name in experience_state.c else experience_data
     return Column(name, table.c[name].type)
 
 
-experiences = Table("experiences", MetaData(), *(_view_column(name) for name in EXPERIENCE_COLUMNS))
+experiences = Table("experiences", MetaData(),
+                    *(_view_column(name) for name in EXPERIENCE_COLUMNS))
 
 train_steps = Table(
     "train_steps",

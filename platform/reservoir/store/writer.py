@@ -38,8 +38,8 @@ from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check
                                      shape_group, values_ok)
 from reservoir.store.schema import experience_state
 
-DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS
-STATE_COLUMNS = ("id", "run_id", "group_id", "group_row", "policy_version", "status")
+COPY_DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS
+COPY_STATE_COLUMNS = ("id", "run_id", "group_id", "group_row", "policy_version", "status")
 NEXT_IDS = text("SELECT nextval('experience_data_id_seq') FROM generate_series(1, :n)")
 WRITABLE = ("raw", "ready")
 
@@ -124,11 +124,11 @@ async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status
     the groups that passed; a bad group in "raise" mode ends the data and raises here (the
     caller's transaction rolls back)."""
     raw = (await conn.get_raw_connection()).driver_connection
-    await raw.copy_records_to_table("experience_data", columns=DATA_COLUMNS,
+    await raw.copy_records_to_table("experience_data", columns=COPY_DATA_COLUMNS,
                                     records=stream.data_records(ids))
     if stream.error is not None:
         raise stream.error
-    await raw.copy_records_to_table("experience_state", columns=STATE_COLUMNS,
+    await raw.copy_records_to_table("experience_state", columns=COPY_STATE_COLUMNS,
                                     records=stream.state_records(ids, status))
 
 
