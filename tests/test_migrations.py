@@ -179,7 +179,9 @@ def test_a_populated_store_moves_to_the_narrow_state_row_unchanged(new_database,
     with engine.connect() as conn:
         after = [dict(row) for row in conn.execute(text(read)).mappings()]
         narrow = conn.execute(text("SELECT count(*) FROM experience_state")).scalar()
-    assert len(before) == 12 and after == before and narrow == 12
+    assert len(before) == 12 and narrow == 12
+    assert [{name: row[name] for name in before[0]} for row in after] == before
+    assert {row["parent_run_id"] for row in after} == {None}  # migration 0013's column
     config = ReservoirConfig(store=StoreConfig(url=url))
     with Store.open(config) as store:
         lease = store.lease("old", rows=8, timeout_s=2)  # the 8 ready rows; 0's stay leased

@@ -25,7 +25,7 @@ WITH consumed AS (
     SET status = 'consumed', times_sampled = times_sampled + 1,
         lease_token = NULL, leased_until = NULL
     WHERE lease_token = :token
-    RETURNING id
+    RETURNING id, run_id
 ), step AS (
     INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
     VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences, :stage)
@@ -34,8 +34,8 @@ WITH consumed AS (
     SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:weights AS float8[]))
         AS w (experience_id, weight)
 ), items AS (
-    INSERT INTO batch_items (train_step_id, experience_id, policy_version, weight)
-    SELECT step.id, consumed.id, :policy_version, weighted.weight
+    INSERT INTO batch_items (train_step_id, run_id, experience_id, policy_version, weight)
+    SELECT step.id, consumed.run_id, consumed.id, :policy_version, weighted.weight
     FROM consumed JOIN weighted ON weighted.experience_id = consumed.id CROSS JOIN step
     RETURNING train_step_id
 )
@@ -46,6 +46,14 @@ SELECT (SELECT id FROM step), (SELECT count(*) FROM items)
     bindparam("ids", type_=ARRAY(BigInteger)),
     bindparam("weights", type_=ARRAY(Float)),
 )
+
+
+# A step's ledger rows for experiences it read without a lease (their runs from the store).
+RECORD_ITEMS = text("""
+INSERT INTO batch_items (train_step_id, run_id, experience_id, policy_version)
+SELECT :step_id, s.run_id, s.id, :policy_version FROM experience_state s
+WHERE s.id = ANY(CAST(:ids AS bigint[]))
+""")
 
 
 def finite(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -102,9 +110,11 @@ def record_step(conn: Connection, run_id: int, step: int, *, policy_version: int
         .on_conflict_do_nothing(constraint="train_steps_run_step")
         .returning(train_steps.c.id)).scalar()
     if inserted is not None and experience_ids:
-        conn.execute(batch_items.insert(), [
-            {"train_step_id": inserted, "experience_id": experience_id,
-             "policy_version": policy_version} for experience_id in experience_ids])
+        written = conn.execute(RECORD_ITEMS, {"step_id": inserted, "ids": list(experience_ids),
+                                              "policy_version": policy_version}).rowcount
+        if written != len(set(experience_ids)):
+            raise StoreError(f"step {step} of run id {run_id}: {len(set(experience_ids))} "
+                             f"experience ids, {written} of them in the store; nothing recorded")
 
 
 def add_step_metrics(conn: Connection, run_id: int, step: int, metrics: dict[str, Any]) -> None:

@@ -105,17 +105,29 @@ def apply(conn: Connection, pipeline_run_id: int, changes: Changes) -> None:
     if changes.task_values:
         for task_id, values in changes.task_values.items():
             conn.execute(update(tasks).where(tasks.c.id == task_id).values(**values))
+    run_of = _runs_of(conn, [event.get("experience_id") for event in changes.events]
+                      + list(changes.held))
     if changes.events:
         conn.execute(insert(operator_events), [
-            {**event, "pipeline_run_id": pipeline_run_id, "stats": finite(event.get("stats", {}))}
+            {**event, "pipeline_run_id": pipeline_run_id, "stats": finite(event.get("stats", {})),
+             "run_id": run_of.get(event.get("experience_id"))}
             for event in changes.events])
     if changes.validations:
         conn.execute(insert(validations), [
             {**row, "pipeline_run_id": pipeline_run_id} for row in changes.validations])
     if changes.held:
         conn.execute(insert(reviews), [
-            {"experience_id": eid, "pipeline_run_id": pipeline_run_id, "reason": reason}
-            for eid, reason in changes.held.items()])
+            {"experience_id": eid, "run_id": run_of.get(eid), "pipeline_run_id": pipeline_run_id,
+             "reason": reason} for eid, reason in changes.held.items()])
+
+
+def _runs_of(conn: Connection, ids: list[int | None]) -> dict[int, int]:
+    """{experience id: its run id} (events and reviews name both)."""
+    wanted = sorted({i for i in ids if i is not None})
+    if not wanted:
+        return {}
+    return dict(conn.execute(select(state.c.id, state.c.run_id)
+                             .where(state.c.id.in_(wanted))).all())
 
 
 UPDATE_ROWS = text("""
@@ -175,14 +187,14 @@ def _update_experiences(conn: Connection, changes: Changes) -> None:
 INSERT_CHILDREN = text("""
 INSERT INTO experiences (run_id, task_id, group_id, group_row, policy_version, prompt_text,
     response_text, prompt_ids, response_ids, logprobs, action_mask, reward, shaped_reward,
-    reward_components, metadata, status, priority, parent_id)
+    reward_components, metadata, status, priority, parent_id, parent_run_id)
 SELECT p.run_id, p.task_id, v.group_id,
     row_number() OVER (PARTITION BY v.group_id ORDER BY v.parent) - 1,
     p.policy_version, p.prompt_text, v.response_text,
     p.prompt_ids, coalesce(v.response_ids, p.response_ids),
     CASE WHEN v.response_ids IS NULL THEN p.logprobs END,
     coalesce(v.action_mask, p.action_mask), p.reward, v.shaped_reward,
-    v.reward_components::jsonb, v.metadata::jsonb, v.status, v.priority, p.id
+    v.reward_components::jsonb, v.metadata::jsonb, v.status, v.priority, p.id, p.run_id
 FROM unnest(:parents, :group_ids, :response_text, :response_ids, :action_mask, :shaped_reward,
             :reward_components, :metadata, :status, :priority)
     AS v (parent, group_id, response_text, response_ids, action_mask, shaped_reward,

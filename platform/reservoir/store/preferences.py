@@ -202,7 +202,7 @@ WITH consumed AS (
     SET status = 'consumed', times_sampled = times_sampled + 1,
         lease_token = NULL, leased_until = NULL
     WHERE lease_token = :token
-    RETURNING id, chosen_id, rejected_id
+    RETURNING id, run_id, chosen_id, rejected_id
 ), step AS (
     INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
     VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences, :stage)
@@ -212,13 +212,13 @@ WITH consumed AS (
     SELECT step.id, consumed.id FROM consumed CROSS JOIN step
     RETURNING preference_id
 ), ledger_items AS (
-    INSERT INTO batch_items (train_step_id, experience_id, policy_version, weight)
-    SELECT step.id, side.experience_id, :policy_version, sum(side.weight)
+    INSERT INTO batch_items (train_step_id, run_id, experience_id, policy_version, weight)
+    SELECT step.id, consumed.run_id, side.experience_id, :policy_version, sum(side.weight)
     FROM consumed
     CROSS JOIN LATERAL (VALUES (consumed.chosen_id, 1.0::float8),
                                (consumed.rejected_id, -1.0::float8)) AS side (experience_id, weight)
     CROSS JOIN step
-    GROUP BY step.id, side.experience_id
+    GROUP BY step.id, consumed.run_id, side.experience_id
     RETURNING experience_id
 )
 SELECT (SELECT id FROM step) AS step_id, (SELECT count(*) FROM ledger_pairs) AS pairs

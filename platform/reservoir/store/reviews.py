@@ -40,6 +40,10 @@ def _log(conn: Connection, *, reviewer: str, action: str, source: str, **rows) -
         raise StoreError(f"source {source!r}: use {' or '.join(SOURCES)}")
     if not reviewer or not reviewer.strip():
         raise StoreError("every review action names its reviewer; none was given")
+    if rows.get("experience_id") is not None:  # an action names the experience's run too
+        rows["run_id"] = (select(experience_state.c.run_id)
+                          .where(experience_state.c.id == rows["experience_id"])
+                          .scalar_subquery())
     return conn.execute(insert(review_actions).values(reviewer=reviewer, action=action,
                                                       source=source, **rows)
                         .returning(review_actions.c.id)).scalar_one()

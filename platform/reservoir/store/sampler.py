@@ -140,7 +140,8 @@ def _returned(leased):
 
 def _with_data(leased):
     """Statement: the leased rows joined to their data, with the sampled counter updated."""
-    return (select(*_returned(leased)).join_from(leased, d, d.c.id == leased.c.id)
+    return (select(*_returned(leased)).join_from(leased, d, and_(d.c.run_id == leased.c.run_id,
+                                                                 d.c.id == leased.c.id))
             .add_cte(count_sampled(leased, 1)))
 
 
@@ -269,7 +270,8 @@ async def release_runs(engine: AsyncEngine, run_ids: Sequence[int]) -> int:
 async def fetch(engine: AsyncEngine, ids: Sequence[int]) -> list[LeasedExperience]:
     """Rows by id, in id order, as a lease carries them (for replaying a committed step)."""
     async with engine.connect() as conn:
-        result = await conn.execute(select(*RETURNED[:FIELDS]).join_from(e, d, d.c.id == e.c.id)
+        same_row = and_(d.c.run_id == e.c.run_id, d.c.id == e.c.id)
+        result = await conn.execute(select(*RETURNED[:FIELDS]).join_from(e, d, same_row)
                                     .where(e.c.id.in_(list(ids))).order_by(e.c.id))
         return [_to_leased(row) for row in result]
 
@@ -393,7 +395,7 @@ WITH aside AS (
 ), noted AS (
     UPDATE experience_data d
     SET metadata = d.metadata || jsonb_build_object('set_aside', CAST(:reason AS text))
-    FROM aside WHERE d.id = aside.id
+    FROM aside WHERE d.run_id = aside.run_id AND d.id = aside.id
     RETURNING d.id
 ), per_run AS (
     SELECT run_id, count(*) AS n FROM aside GROUP BY run_id

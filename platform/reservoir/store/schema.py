@@ -15,6 +15,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     LargeBinary,
@@ -38,6 +39,13 @@ EVENT_KINDS = ("dropped", "changed", "added", "scored", "quarantined", "retired"
                "unselected")
 REVIEW_STATUSES = ("pending", "labelled")
 PAIR_STATUSES = ("ready", "leased", "consumed", "retired")
+
+
+def _experience_key(columns: tuple[str, str], name: str, ondelete: str = "CASCADE",
+                    use_alter: bool = False) -> ForeignKeyConstraint:
+    """A reference to an experience: (its run, its id), the key of the partitioned state."""
+    return ForeignKeyConstraint(list(columns), ["experience_state.run_id", "experience_state.id"],
+                                name=name, ondelete=ondelete, use_alter=use_alter)
 
 
 def _now() -> Column:
@@ -103,12 +111,14 @@ policy_versions = Table(
 # (status, lease, times sampled) and what the sampler orders and filters by (~100 bytes), so a
 # lease and a commit rewrite only the narrow row. The view `experiences` joins the two under the
 # old column names; inserts, updates and deletes through it go to the right table (triggers of
-# migration 0012), and an update of a row's state through it fails if the state changed since
-# the statement read it.
+# migrations 0012 and 0013), and an update of a row's state through it fails if the state
+# changed since the statement read it. Both tables are partitioned by run (one partition of each
+# per run, created with the run by a trigger on `runs`): an experience's key is (run_id, id), and
+# every row that names an experience names its run.
 experience_data = Table(
     "experience_data",
     metadata,
-    Column("id", BigInteger, primary_key=True),
+    Column("id", BigInteger, nullable=False),  # default: experience_data_id_seq
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="SET NULL")),
     Column("prompt_text", Text, nullable=False),
@@ -121,19 +131,25 @@ experience_data = Table(
     Column("shaped_reward", Float),
     Column("reward_components", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("metadata", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("parent_id", BigInteger, ForeignKey("experience_data.id", ondelete="SET NULL")),
+    Column("parent_id", BigInteger),
+    Column("parent_run_id", BigInteger),  # a parent may be of another run
     Column("prompt_len", Integer, Computed("length(prompt_ids) / 4", persisted=True)),
     Column("response_len", Integer, Computed("length(response_ids) / 4", persisted=True)),
-    Index("experience_data_run", "run_id"),
+    PrimaryKeyConstraint("run_id", "id", name="experience_data_pkey"),
+    CheckConstraint("(parent_id IS NULL) = (parent_run_id IS NULL)",
+                    name="experience_data_parent_both"),
+    _experience_key(("parent_run_id", "parent_id"), "experience_data_parent_id_fkey", "SET NULL",
+                    use_alter=True),  # the state names the data: a cycle
     Index("experience_data_task", "task_id"),
-    Index("experience_data_parent", "parent_id", postgresql_where=text("parent_id IS NOT NULL")),
+    Index("experience_data_parent", "parent_run_id", "parent_id",
+          postgresql_where=text("parent_id IS NOT NULL")),
+    postgresql_partition_by="LIST (run_id)",
 )
 
 experience_state = Table(
     "experience_state",
     metadata,
-    Column("id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
-           primary_key=True),
+    Column("id", BigInteger, nullable=False),
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("group_id", UUID(as_uuid=True), nullable=False),
     Column("group_row", SmallInteger, nullable=False),
@@ -149,6 +165,9 @@ experience_state = Table(
         "(status = 'leased') = (lease_token IS NOT NULL)", name="experience_state_lease_iff_leased"
     ),
     CheckConstraint("group_row >= 0", name="experience_state_group_row_valid"),
+    PrimaryKeyConstraint("run_id", "id", name="experience_state_pkey"),
+    ForeignKeyConstraint(["run_id", "id"], ["experience_data.run_id", "experience_data.id"],
+                         name="experience_state_data", ondelete="CASCADE"),
     Index("experience_state_ready", "run_id", "created_at", "id",
           postgresql_where=text("status = 'ready'")),
     Index(
@@ -159,10 +178,11 @@ experience_state = Table(
         postgresql_where=text("status = 'ready'"),
     ),
     Index("experience_state_leased", "leased_until", postgresql_where=text("status = 'leased'")),
-    Index("experience_state_group_row", "group_id", "group_row", unique=True),
+    Index("experience_state_group_row", "run_id", "group_id", "group_row", unique=True),
     Index("experience_state_run_status", "run_id", "status"),
     Index("experience_state_lease_token", "lease_token",
           postgresql_where=text("lease_token IS NOT NULL")),
+    postgresql_partition_by="LIST (run_id)",
 )
 
 # The view: every column of an experience under one name, in this order (declared here for
@@ -171,7 +191,7 @@ EXPERIENCE_COLUMNS = ("id", "run_id", "task_id", "group_id", "group_row", "polic
                       "prompt_text", "response_text", "prompt_ids", "response_ids", "logprobs",
                       "action_mask", "reward", "shaped_reward", "reward_components", "metadata",
                       "status", "priority", "times_sampled", "lease_token", "leased_until",
-                      "parent_id", "prompt_len", "response_len", "created_at")
+                      "parent_id", "prompt_len", "response_len", "created_at", "parent_run_id")
 
 
 def _view_column(name: str) -> Column:
@@ -203,11 +223,12 @@ batch_items = Table(
     metadata,
     Column("train_step_id", BigInteger, ForeignKey("train_steps.id", ondelete="CASCADE"),
            nullable=False),
-    Column("experience_id", BigInteger, ForeignKey("experience_state.id", ondelete="CASCADE"),
-           nullable=False),  # the narrow row: the key check locks it, not the wide one
+    Column("experience_id", BigInteger, nullable=False),
     Column("policy_version", Integer, nullable=False),
     Column("weight", Float, nullable=False, server_default="1"),
+    Column("run_id", BigInteger, nullable=False),  # the experience's
     PrimaryKeyConstraint("train_step_id", "experience_id", name="batch_items_pkey"),
+    _experience_key(("run_id", "experience_id"), "batch_items_experience_id_fkey"),
     Index("batch_items_experience", "experience_id"),
 )
 
@@ -244,14 +265,18 @@ operator_events = Table(
     Column("id", BigInteger, primary_key=True),
     Column("pipeline_run_id", BigInteger, ForeignKey("pipeline_runs.id", ondelete="CASCADE"),
            nullable=False),
-    Column("experience_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE")),
+    Column("experience_id", BigInteger),
     Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="CASCADE")),
     Column("operator", Text, nullable=False),
     Column("kind", Text, nullable=False),
     Column("reason", Text),
     Column("stats", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     _now(),
+    Column("run_id", BigInteger),  # the experience's
     CheckConstraint(f"kind IN {EVENT_KINDS}", name="operator_events_kind_valid"),
+    CheckConstraint("(experience_id IS NULL) = (run_id IS NULL)",
+                    name="operator_events_experience_run"),
+    _experience_key(("run_id", "experience_id"), "operator_events_experience_id_fkey"),
     Index("operator_events_run", "pipeline_run_id"),
     Index("operator_events_experience", "experience_id"),
 )
@@ -291,8 +316,7 @@ reviews = Table(
     "reviews",
     metadata,
     Column("id", BigInteger, primary_key=True),
-    Column("experience_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
-           nullable=False, unique=True),
+    Column("experience_id", BigInteger, nullable=False, unique=True),
     Column("pipeline_run_id", BigInteger, ForeignKey("pipeline_runs.id", ondelete="SET NULL")),
     Column("reason", Text),
     Column("status", Text, nullable=False, server_default="pending"),
@@ -301,7 +325,9 @@ reviews = Table(
     Column("reviewer", Text),
     _now(),
     Column("labelled_at", DateTime(timezone=True)),
+    Column("run_id", BigInteger, nullable=False),  # the experience's
     CheckConstraint(f"status IN {REVIEW_STATUSES}", name="reviews_status_valid"),
+    _experience_key(("run_id", "experience_id"), "reviews_experience_id_fkey"),
     CheckConstraint("verdict IS NULL OR verdict IN ('accept', 'reject')",
                     name="reviews_verdict_valid"),
 )
@@ -311,10 +337,8 @@ preferences = Table(
     metadata,
     Column("id", BigInteger, primary_key=True),
     Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="CASCADE")),
-    Column("chosen_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
-           nullable=False),
-    Column("rejected_id", BigInteger, ForeignKey("experience_data.id", ondelete="CASCADE"),
-           nullable=False),
+    Column("chosen_id", BigInteger, nullable=False),  # both of the pair's run
+    Column("rejected_id", BigInteger, nullable=False),
     Column("source", Text),
     _now(),
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
@@ -327,6 +351,8 @@ preferences = Table(
     CheckConstraint("(status = 'leased') = (lease_token IS NOT NULL)",
                     name="preferences_lease_iff_leased"),
     CheckConstraint("chosen_id <> rejected_id", name="preferences_two_responses"),
+    _experience_key(("run_id", "chosen_id"), "preferences_chosen_id_fkey"),
+    _experience_key(("run_id", "rejected_id"), "preferences_rejected_id_fkey"),
     UniqueConstraint("chosen_id", "rejected_id", name="preferences_pair"),
     Index("preferences_ready", "run_id", "id", postgresql_where=text("status = 'ready'")),
     Index("preferences_lease_token", "lease_token",
@@ -393,10 +419,14 @@ review_actions = Table(
     Column("action", Text, nullable=False),
     Column("source", Text, nullable=False),
     Column("review_id", BigInteger, ForeignKey("reviews.id", ondelete="SET NULL")),
-    Column("experience_id", BigInteger, ForeignKey("experience_data.id", ondelete="SET NULL")),
+    Column("experience_id", BigInteger),
     Column("preference_id", BigInteger, ForeignKey("preferences.id", ondelete="SET NULL")),
     Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     _now(),
+    Column("run_id", BigInteger),  # the experience's
+    CheckConstraint("(experience_id IS NULL) = (run_id IS NULL)",
+                    name="review_actions_experience_run"),
+    _experience_key(("run_id", "experience_id"), "review_actions_experience_id_fkey", "SET NULL"),
     CheckConstraint(f"action IN {REVIEW_ACTIONS}", name="review_actions_action_valid"),
     Index("review_actions_reviewer", "reviewer", "created_at"),
 )

@@ -38,7 +38,7 @@ from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check
                                      shape_group, values_ok)
 from reservoir.store.schema import experience_state
 
-COPY_DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS
+COPY_DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS + ("parent_run_id",)
 COPY_STATE_COLUMNS = ("id", "run_id", "group_id", "group_row", "policy_version", "status")
 NEXT_IDS = text("SELECT nextval('experience_data_id_seq') FROM generate_series(1, :n)")
 WRITABLE = ("raw", "ready")
@@ -86,12 +86,16 @@ async def write_groups(
     heads = [group[0] for group in groups  # first rows of what look like groups; the checks
              if isinstance(group, Sequence) and group  # below name everything else
              and isinstance(group[0], Experience)]
+    parents = sorted({exp.parent_id for group in groups if isinstance(group, Sequence)
+                      for exp in group if isinstance(exp, Experience) and _is_id(exp.parent_id)})
     try:
         async with engine.begin() as conn:  # one connection: lookups, ids, rows, counters
-            run_info, existing = await _lookup(
+            run_info, existing, parent_runs = await _lookup(
                 conn, sorted({head.run for head in heads if isinstance(head.run, str)}),
-                sorted({head.group_id for head in heads if isinstance(head.group_id, uuid.UUID)}))
-            admitted = _admitted_groups(groups, run_info, existing, on_invalid, result)
+                sorted({head.group_id for head in heads if isinstance(head.group_id, uuid.UUID)}),
+                parents)
+            admitted = _admitted_groups(groups, run_info, existing, parent_runs, on_invalid,
+                                        result)
             if not admitted:
                 return result
             planned: Counter = Counter()
@@ -101,7 +105,7 @@ async def write_groups(
             ids = (await conn.execute(NEXT_IDS, {"n": sum(planned.values())})).scalars().all()
             if before_copy is not None:
                 await before_copy(conn)
-            stream = _Stream(admitted, on_invalid, result)
+            stream = _Stream(admitted, parent_runs, on_invalid, result)
             await _copy(conn, stream, ids, status)
             written = sorted(stream.rows_per_run().items())
             await conn.execute(runs.INSERTED_AND_NOTIFY, {
@@ -146,8 +150,10 @@ class _Stream:
 
     CHUNK_GROUPS = 16  # values are checked in one vectorised pass per chunk
 
-    def __init__(self, admitted: list[_Admitted], on_invalid: str, result: WriteResult):
+    def __init__(self, admitted: list[_Admitted], parent_runs: dict[int, int], on_invalid: str,
+                 result: WriteResult):
         self.admitted, self.on_invalid, self.result = admitted, on_invalid, result
+        self.parent_runs = parent_runs
         self.accepted: list[_CheckedGroup] = []
         self.error: ExperienceInvalid | None = None
 
@@ -159,8 +165,8 @@ class _Stream:
                 return  # "raise": the first bad group ends the COPY; _copy raises it
             for group in passing:
                 self.accepted.append(group)
-                for row in group.shaped.encode():
-                    yield (next(next_id), group.run_id) + row
+                for row in group.shaped.encode():  # parent_id last: its run follows
+                    yield (next(next_id), group.run_id) + row + (self.parent_runs.get(row[-1]),)
 
     def state_records(self, ids: list[int], status: str):
         next_id = iter(ids)
@@ -206,8 +212,8 @@ class _Stream:
         return True
 
 
-def _admitted_groups(groups, run_info, existing: set[uuid.UUID], on_invalid,
-                     result: WriteResult) -> list[_Admitted]:
+def _admitted_groups(groups, run_info, existing: set[uuid.UUID], parent_runs: dict[int, int],
+                     on_invalid, result: WriteResult) -> list[_Admitted]:
     """Groups whose structure, run, size and id pass; the others raise or land in
     result.rejected (their rows are checked while they stream)."""
     admitted: list[_Admitted] = []
@@ -215,6 +221,7 @@ def _admitted_groups(groups, run_info, existing: set[uuid.UUID], on_invalid,
     for index, group in enumerate(groups):
         try:
             one = _admit(group, index, run_info)
+            _check_parents(group, index, parent_runs)
             _check_new(one.group_id, index, existing, seen)
             admitted.append(one)
         except ExperienceInvalid as exc:
@@ -237,12 +244,29 @@ def _check_new(group_id: uuid.UUID, index: int, existing: set[uuid.UUID],
     seen.add(group_id)
 
 
-async def _lookup(conn: AsyncConnection, names: list[str], group_ids: list[uuid.UUID]
-                  ) -> tuple[dict[str, tuple[int, int | None]], set[uuid.UUID]]:
-    """The runs by name (id, group size), and which of the given group ids already exist."""
+def _check_parents(group: Sequence[Experience], index: int, parent_runs: dict[int, int]) -> None:
+    for row_index, exp in enumerate(group):
+        if _is_id(exp.parent_id) and exp.parent_id not in parent_runs:
+            raise ExperienceInvalid(
+                f"group {index} row {row_index}: field 'parent_id' = {exp.parent_id}: no "
+                "experience has that id; nothing of this group was written",
+                group_index=index, row_index=row_index, field="parent_id")
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**63
+
+
+async def _lookup(conn: AsyncConnection, names: list[str], group_ids: list[uuid.UUID],
+                  parents: list[int]):
+    """The runs by name ({name: (id, group size)}), which of the given group ids already
+    exist, and the parents' runs ({experience id: run id})."""
     rows = (await conn.execute(runs.lookup(names))).all() if names else []
     taken = (await conn.execute(existing_groups(group_ids))).scalars().all() if group_ids else []
-    return {row.name: (row.id, row.group_size) for row in rows}, set(taken)
+    parent_runs = dict((await conn.execute(
+        select(experience_state.c.id, experience_state.c.run_id)
+        .where(experience_state.c.id.in_(parents)))).all()) if parents else {}
+    return {row.name: (row.id, row.group_size) for row in rows}, set(taken), parent_runs
 
 
 def existing_groups(group_ids: list[uuid.UUID]):
