@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from reservoir.config import RetentionConfig
 from reservoir.errors import StoreError
@@ -108,6 +109,35 @@ def test_a_running_run_or_an_unknown_one_is_refused_with_nothing_written(store, 
     assert count(store.engine, "SELECT count(*) FROM experiences") == 4
 
 
+def partitions(engine) -> dict[str, int]:
+    """{partition name: its table's oid}: a dropped and recreated partition has a new oid."""
+    with engine.connect() as conn:
+        return dict(conn.execute(text(
+            "SELECT c.relname, c.oid::bigint FROM pg_inherits i JOIN pg_class c "
+            "ON c.oid = i.inhrelid WHERE i.inhparent IN ('experience_data'::regclass, "
+            "'experience_state'::regclass)")).all())
+
+
+def test_the_run_s_rows_leave_with_its_partitions_and_come_back_into_new_ones(store, tmp_path):
+    populate(store)
+    with store.engine.connect() as conn:
+        run_id, other_id = (runs.run_id_of(conn, name) for name in (RUN, OTHER))
+    before = partitions(store.engine)
+    names = {f"{parent}_r{run}" for parent in ("experience_data", "experience_state")
+             for run in (run_id, other_id)}
+    assert set(before) == names
+    archive_run(store.engine, RUN, tmp_path / "a")
+    after = partitions(store.engine)
+    assert set(after) == names
+    for parent in ("experience_data", "experience_state"):
+        assert after[f"{parent}_r{run_id}"] != before[f"{parent}_r{run_id}"]  # dropped, new
+        assert after[f"{parent}_r{other_id}"] == before[f"{parent}_r{other_id}"]  # untouched
+        assert count(store.engine, f"SELECT count(*) FROM {parent}_r{run_id}") == 0
+    restore_run(store.engine, tmp_path / "a")
+    assert count(store.engine, f"SELECT count(*) FROM experience_state_r{run_id}") == 24
+    assert count(store.engine, "SELECT count(*) FROM ONLY experience_state") == 0
+
+
 def test_a_changed_byte_fails_the_restore_naming_the_file_and_inserts_nothing(store, tmp_path):
     populate(store)
     archive_run(store.engine, RUN, tmp_path / "a")
@@ -120,21 +150,30 @@ def test_a_changed_byte_fails_the_restore_naming_the_file_and_inserts_nothing(st
     assert count(store.engine, "SELECT count(*) FROM experiences") == 8
 
 
-def test_a_row_changed_while_the_run_is_archived_fails_the_delete_and_keeps_the_files(
-        store, tmp_path):
+def test_a_row_cannot_change_while_its_run_is_archived(store, tmp_path):
+    """The run's partitions are locked before the archive's snapshot: a write of one of its
+    rows waits for the archive (here it gives up after its lock_timeout), so nothing changed
+    after the files were read can be dropped with the partitions."""
     populate(store)
+    refused = []
 
     def change_a_row(table: str, done: int, total: int) -> None:  # between read and delete
         if table == "review_actions" and done == 0:
             with store.engine.begin() as conn:
-                conn.execute(text("UPDATE experiences SET priority = 5 WHERE id = (SELECT "
-                                  "min(id) FROM experiences)"))
+                conn.execute(text("SET LOCAL lock_timeout = '300ms'"))
+                try:
+                    with conn.begin_nested():
+                        conn.execute(text("UPDATE experiences SET priority = 5 WHERE id = "
+                                          "(SELECT min(id) FROM experiences)"))
+                except OperationalError as exc:
+                    refused.append(exc.orig.pgcode)
 
-    with pytest.raises(StoreError, match="deleting its rows failed.*nothing was deleted and the "
-                                         "archive stays"):
-        archive_run(store.engine, RUN, tmp_path / "a", progress=change_a_row)
-    assert count(store.engine, "SELECT count(*) FROM experiences") == 32
-    assert (tmp_path / "a" / "manifest.json").is_file()
+    manifest = archive_run(store.engine, RUN, tmp_path / "a", progress=change_a_row)
+    assert refused == ["55P03"]  # lock_not_available
+    assert manifest.tables["experiences"].rows == 24
+    assert count(store.engine, "SELECT count(*) FROM experiences") == 8  # the other run's
+    restore_run(store.engine, tmp_path / "a")
+    assert count(store.engine, "SELECT count(*) FROM experiences WHERE priority = 5") == 0
 
 
 def test_restoring_twice_is_refused_and_an_archive_folder_is_not_reused(store, tmp_path):

@@ -192,3 +192,71 @@ def test_a_populated_store_moves_to_the_narrow_state_row_unchanged(new_database,
         statuses = dict(conn.execute(text(
             "SELECT status, count(*) FROM experiences GROUP BY status")).all())
     assert statuses == {"leased": 2, "consumed": 10}
+
+
+POPULATED_0012 = """
+INSERT INTO runs (id, name, group_size) VALUES (1, 'one', 2), (2, 'two', 2);
+INSERT INTO experiences (id, run_id, group_id, group_row, policy_version, prompt_text,
+    response_text, prompt_ids, response_ids, reward, status, parent_id)
+VALUES (1, 1, md5('a')::uuid, 0, 0, 'p', 'r1', int4send(1), int4send(2), 1, 'consumed', NULL),
+       (2, 1, md5('a')::uuid, 1, 0, 'p', 'r2', int4send(1), int4send(3), 0, 'ready', NULL),
+       (3, 1, md5('b')::uuid, 0, 0, 'p', 'r3', int4send(1), int4send(4), 0, 'held', 1),
+       (4, 2, md5('c')::uuid, 0, 0, 'p', 'r4', int4send(1), int4send(5), 1, 'ready', 1);
+SELECT setval('experience_data_id_seq', 4);
+INSERT INTO train_steps (id, run_id, step, policy_version, n_experiences) VALUES (1, 1, 1, 0, 1);
+INSERT INTO batch_items (train_step_id, experience_id, policy_version) VALUES (1, 1, 0);
+INSERT INTO pipeline_runs (id, pipeline, spec, spec_hash) VALUES (1, 'gate', '{}', 'h');
+INSERT INTO operator_events (pipeline_run_id, experience_id, operator, kind)
+VALUES (1, 4, 'op', 'scored'), (1, NULL, 'op', 'scored');
+INSERT INTO reviews (id, experience_id, pipeline_run_id) VALUES (1, 3, 1);
+INSERT INTO preferences (id, run_id, chosen_id, rejected_id) VALUES (1, 1, 1, 2);
+INSERT INTO review_actions (reviewer, action, source, experience_id, review_id)
+VALUES ('ann', 'accept', 'cli', 3, 1);
+"""
+NAMING = {"batch_items": "experience_id", "operator_events": "experience_id",
+          "reviews": "experience_id", "review_actions": "experience_id"}
+
+
+def test_a_populated_store_moves_into_partitions_by_run_and_back(new_database, engines):
+    """Migration 0013 on a store of two runs: every experience reads the same, each run's
+    rows are in its own partitions, every row that names an experience names its run (a
+    parent of another run too), the keys hold, and the downgrade gives the rows back."""
+    url = new_database()
+    engine = engines(url)
+    migrate.upgrade(engine, "0012")
+    with engine.begin() as conn:
+        conn.execute(text(POPULATED_0012))
+    read = "SELECT * FROM experiences ORDER BY id"
+    with engine.connect() as conn:
+        before = [dict(row) for row in conn.execute(text(read)).mappings()]
+    migrate.upgrade(engine, "0013")
+    with engine.connect() as conn:
+        after = [dict(row) for row in conn.execute(text(read)).mappings()]
+        per_partition = {name: conn.execute(text(f"SELECT array_agg(id ORDER BY id) FROM {name}"))
+                         .scalar() for name in ("experience_state_r1", "experience_state_r2",
+                                                "experience_data_r1", "experience_data_r2")}
+        named = {table: conn.execute(text(f"SELECT array_agg(run_id ORDER BY {column}) FROM "
+                                          f"{table} WHERE {column} IS NOT NULL")).scalar()
+                 for table, column in NAMING.items()}
+        unnamed = conn.execute(text("SELECT run_id FROM operator_events "
+                                    "WHERE experience_id IS NULL")).scalar()
+    assert [{name: row[name] for name in before[0]} for row in after] == before
+    assert [row["parent_run_id"] for row in after] == [None, None, 1, 1]
+    assert per_partition == {"experience_state_r1": [1, 2, 3], "experience_state_r2": [4],
+                             "experience_data_r1": [1, 2, 3], "experience_data_r2": [4]}
+    assert named == {"batch_items": [1], "operator_events": [2], "reviews": [1],
+                     "review_actions": [1]} and unnamed is None
+    with engine.begin() as conn:  # a new run has its partitions; a row names its run
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (3, 'three')"))
+        assert conn.execute(text("SELECT count(*) FROM pg_inherits WHERE inhrelid IN "
+                                 "('experience_data_r3'::regclass, "
+                                 "'experience_state_r3'::regclass)")).scalar() == 2
+    with pytest.raises(Exception, match="batch_items_experience_id_fkey"):
+        with engine.begin() as conn:  # experience 4 is of run 2, not 1
+            conn.execute(text("INSERT INTO batch_items (train_step_id, run_id, experience_id, "
+                              "policy_version) VALUES (1, 1, 4, 0)"))
+    migrate.downgrade(engine, "0012")
+    with engine.connect() as conn:
+        again = [dict(row) for row in conn.execute(text(read)).mappings()]
+        items = conn.execute(text("SELECT experience_id FROM batch_items")).scalars().all()
+    assert again == before and items == [1]

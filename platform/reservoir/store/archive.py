@@ -13,11 +13,13 @@ An archive is a folder with one Parquet file per table and `manifest.json`:
 | batch_pairs     | those pairs' ledger rows                                 |
 | review_actions  | actions that name one of those experiences, reviews or pairs |
 
-Deleting the experiences deletes the rows of the first six tables with them (their foreign keys
-cascade). `review_actions` rows stay in the store, their links set NULL; the archive keeps them
-whole and a restore sets the links back (an action deleted meanwhile comes back too). Rows of
-other runs whose `parent_id` names an archived experience lose that link for good: the manifest
-counts them (`links_lost`).
+Once the files are durable, the rows of the last six tables are deleted, `review_actions` rows
+stay in the store with their links set NULL (the archive keeps them whole and a restore sets the
+links back; an action deleted meanwhile comes back too), and parent links to the run's rows are
+cleared. Then the run's experiences leave in one statement: its two partitions (of
+experience_data and experience_state) are detached and dropped, and empty ones take their place
+for a restore. Rows of other runs whose parent is an archived experience lose that link for
+good: the manifest counts them (`links_lost`).
 
 Columns are read from the database (a table's or the view's), never assumed; values keep their
 stored form (`archive_format`: bytea as binary, JSON and UUIDs as their text, timestamps in UTC).
@@ -35,13 +37,14 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import Connection, Engine, TextClause, text
+from sqlalchemy import Connection, Engine, RootTransaction, TextClause, text
 from sqlalchemy.exc import DBAPIError
 
 from reservoir.config import DAY, RetentionConfig
 from reservoir.errors import StoreError
 from reservoir.store.archive_format import (ARROW, MANIFEST, Column, Manifest, TableFile, fsync,
                                             sha256, write_durably)
+from reservoir.store import partitions
 from reservoir.store.engine import sync_engine
 
 if TYPE_CHECKING:
@@ -70,6 +73,7 @@ TABLES = {
                        f"review_id IN (SELECT id FROM reviews WHERE experience_id IN ({RUN_ROWS}))",
                        "id"),
 }
+RUNS = ("run_id", "parent_run_id")  # remapped when the run's id changed
 RELINKED = "review_actions"  # kept by the store, links set NULL: restored by setting them back
 
 COLUMNS = text("""
@@ -78,11 +82,11 @@ SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS type,
 FROM pg_attribute a
 WHERE a.attrelid = CAST(:relation AS regclass) AND a.attnum > 0 AND NOT a.attisdropped
 ORDER BY a.attnum""")
+FIND_RUN = text("SELECT id, status FROM runs WHERE name = :name")
 LOCK_RUN = text("SELECT id, status FROM runs WHERE name = :name FOR UPDATE")
 REVISION = text("SELECT version_num FROM alembic_version")
 LINKS_LOST = text(f"SELECT count(*) FROM experiences WHERE parent_id IN ({RUN_ROWS}) "
                   "AND run_id <> :run")
-DELETE_RUN_ROWS = text("DELETE FROM experiences WHERE run_id = :run")
 PRESENT = text("SELECT id FROM experiences WHERE id = ANY(CAST(:ids AS bigint[])) "
                "ORDER BY id LIMIT 3")
 ID_DEFAULT = text("""
@@ -143,8 +147,8 @@ def columns_of(conn: Connection, relation: str) -> list[Column]:
             for row in conn.execute(COLUMNS, {"relation": relation})]
 
 
-def _lock_run(conn: Connection, name: str) -> tuple[int, str]:
-    row = conn.execute(LOCK_RUN, {"name": name}).first()
+def _lock_run(conn: Connection, name: str, statement: TextClause = LOCK_RUN) -> tuple[int, str]:
+    row = conn.execute(statement, {"name": name}).first()
     if row is None:
         raise StoreError(f"run {name!r} does not exist (`reservoir runs list` shows the runs)")
     return row.id, row.status
@@ -153,32 +157,47 @@ def _lock_run(conn: Connection, name: str) -> tuple[int, str]:
 def archive_run(target: Store | Engine | str, run: str, out_dir: Path | str, *, chunk_rows: int = CHUNK_ROWS,
                 progress: Progress | None = None) -> Manifest:
     """Write a run's experiences and their dependent rows to Parquet files in `out_dir`, then
-    delete them from the store, in one transaction that reads one snapshot of the run and
-    holds its row locked. Refuses a running run and a folder that holds an archive. If the
-    delete fails, nothing is deleted and the complete archive stays in `out_dir`."""
+    delete them from the store, in one transaction that holds the run's row and partitions
+    locked (writes of its rows wait for the archive; reads go on) and reads one snapshot.
+    Refuses a running run and a folder that holds an archive. If the delete fails, nothing is
+    deleted and the complete archive stays in `out_dir`."""
     directory = Path(out_dir)
     if (directory / MANIFEST).exists():
         raise StoreError(f"{directory} holds an archive already ({MANIFEST}): choose another "
                          "folder; nothing was archived")
     with (_engine(target) as engine,
-          _failures(f"archiving run {run!r}", "nothing was deleted"),
-          engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn,
-          conn.begin() as transaction):
-        run_id, status = _lock_run(conn, run)
-        if status == "running":
-            raise StoreError(f"run {run!r} is running: stop it before archiving; nothing was "
-                             "archived")
-        directory.mkdir(parents=True, exist_ok=True)
-        manifest = _write_archive(conn, run, run_id, directory, chunk_rows, progress)
-        with _failures(f"run {run!r} is archived in {directory}, but deleting its rows failed",
-                       f"nothing was deleted and the archive stays (remove {directory} "
-                       "before archiving again)"):
-            deleted = conn.execute(DELETE_RUN_ROWS, {"run": run_id}).rowcount
-            if deleted != manifest.tables["experiences"].rows:
-                raise StoreError(f"run {run!r}: {deleted} experiences to delete, "
-                                 f"{manifest.tables['experiences'].rows} archived in "
-                                 f"{directory}; nothing was deleted (the archive stays)")
-            transaction.commit()
+          _failures(f"archiving run {run!r}", "nothing was deleted")):
+        with engine.connect() as conn:
+            run_id, _ = _lock_run(conn, run, FIND_RUN)
+        with (engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn,
+              conn.begin() as transaction):
+            return _archive(conn, transaction, run, run_id, directory, chunk_rows, progress)
+
+
+def _archive(conn: Connection, transaction: RootTransaction, run: str, run_id: int,
+             directory: Path, chunk_rows: int, progress: Progress | None) -> Manifest:
+    # The lock comes before the snapshot (the first query takes it): no write of the run's rows
+    # can commit between what the files hold and the drop.
+    conn.execute(text(f"LOCK TABLE {', '.join(partitions.names(run_id))} IN SHARE MODE"))
+    locked_id, status = _lock_run(conn, run)
+    if locked_id != run_id:
+        raise StoreError(f"run {run!r} was replaced while archiving began; nothing was "
+                         "archived (try again)")
+    if status == "running":
+        raise StoreError(f"run {run!r} is running: stop it before archiving; nothing was "
+                         "archived")
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = _write_archive(conn, run, run_id, directory, chunk_rows, progress)
+    with _failures(f"run {run!r} is archived in {directory}, but deleting its rows failed",
+                   f"nothing was deleted and the archive stays (remove {directory} "
+                   "before archiving again)"):
+        deleted = partitions.drop(conn, run_id)
+        partitions.add(conn, run_id)  # empty, for a restore
+        if deleted != manifest.tables["experiences"].rows:
+            raise StoreError(f"run {run!r}: {deleted} experiences to delete, "
+                             f"{manifest.tables['experiences'].rows} archived in "
+                             f"{directory}; nothing was deleted (the archive stays)")
+        transaction.commit()
     return manifest
 
 
@@ -289,7 +308,9 @@ def _insert_table(conn: Connection, manifest: Manifest, name: str, run_id: int, 
         raise StoreError(f"{table.file}: the store's {name} has no column {', '.join(missing)} "
                          f"(archived at revision {manifest.revision}); nothing was restored")
     columns = [store[column] for column in archived if not store[column].derived]
-    statement = _insert_statement(name, columns)
+    missing_run = ("run_id" in store and "run_id" not in archived
+                   and "experience_id" in archived)
+    statement = _insert_statement(name, columns, missing_run)
     done, remap = 0, {"old_run": manifest.run_id, "new_run": run_id}
     path = manifest.directory / table.file
     if progress:
@@ -310,16 +331,21 @@ def _insert_table(conn: Connection, manifest: Manifest, name: str, run_id: int, 
                          "restored")
 
 
-def _insert_statement(name: str, columns: list[Column]) -> TextClause:
+def _insert_statement(name: str, columns: list[Column], missing_run: bool) -> TextClause:
     """INSERT INTO <name> (columns) SELECT ... FROM unnest(one array per column), run_id
     remapped; review_actions' links are set back where they are NULL."""
     names = ", ".join(_quote(c.name) for c in columns)
     arrays = ", ".join(f"CAST(:c{i} AS {'text' if c.type in TEXT_FORM else c.type}[])"
                        for i, c in enumerate(columns))
     values = ", ".join(
-        "CASE WHEN v.run_id = :old_run THEN :new_run ELSE v.run_id END" if c.name == "run_id"
+        f"CASE WHEN v.{c.name} = :old_run THEN :new_run ELSE v.{c.name} END" if c.name in RUNS
         else f"CAST(v.{_quote(c.name)} AS {c.type})" for c in columns)
-    sql = f"INSERT INTO {name} AS t ({names}) SELECT {values} FROM unnest({arrays}) AS v ({names})"
+    target = names
+    if missing_run:  # archived before rows named their experience's run (revision 0012)
+        target += ", run_id"
+        values += ", CASE WHEN v.experience_id IS NULL THEN NULL ELSE :new_run END"
+    sql = (f"INSERT INTO {name} AS t ({target}) SELECT {values} "
+           f"FROM unnest({arrays}) AS v ({names})")
     if name == RELINKED:
         links = [_quote(c.name) for c in columns if c.name.endswith("_id")]
         sql += " ON CONFLICT (id) DO UPDATE SET " + ", ".join(

@@ -24,7 +24,7 @@ WITH consumed AS (
     UPDATE experience_state
     SET status = 'consumed', times_sampled = times_sampled + 1,
         lease_token = NULL, leased_until = NULL
-    WHERE lease_token = :token
+    WHERE run_id = ANY(:run_ids) AND lease_token = :token
     RETURNING id, run_id
 ), step AS (
     INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
@@ -44,6 +44,7 @@ SELECT (SELECT id FROM step), (SELECT count(*) FROM items)
     bindparam("token", type_=UUID(as_uuid=True)),
     bindparam("metrics", type_=JSONB),
     bindparam("ids", type_=ARRAY(BigInteger)),
+    bindparam("run_ids", type_=ARRAY(BigInteger)),
     bindparam("weights", type_=ARRAY(Float)),
 )
 
@@ -78,7 +79,7 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
         raise StoreError(f"commit_step: {len(weights)} weights for {len(ids)} leased rows")
     params = dict(token=lease.token, run_id=run_id, step=step, policy_version=policy_version,
                   loss=loss, metrics=finite(metrics or {}), n_experiences=len(ids), ids=ids,
-                  stage=stage,
+                  stage=stage, run_ids=list(lease.run_ids),
                   weights=[float(w) for w in weights] if weights is not None else [1.0] * len(ids))
     async with engine.begin() as conn:
         try:

@@ -9,6 +9,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.errors import StoreError
+from reservoir.store import partitions
 from reservoir.store.notify import ROWS_CHANNEL
 from reservoir.store.schema import experiences, policy_versions, runs, train_steps
 from reservoir.store.urls import scrub
@@ -112,8 +113,13 @@ def listing(conn: Connection) -> list[dict[str, Any]]:
 
 
 def delete_run(conn: Connection, name: str) -> bool:
-    """Delete a run and everything that is its (tasks, experiences, steps, versions)."""
-    return conn.execute(delete(runs).where(runs.c.name == name)).rowcount > 0
+    """Delete a run and everything that is its (tasks, experiences, steps, versions); its
+    experiences go with their partitions."""
+    run_id = conn.execute(select(runs.c.id).where(runs.c.name == name)).scalar()
+    if run_id is None:
+        return False
+    partitions.drop(conn, run_id)
+    return conn.execute(delete(runs).where(runs.c.id == run_id)).rowcount > 0
 
 
 def check_resumable(conn: Connection, name: str, steps: int) -> None:

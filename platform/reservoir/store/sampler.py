@@ -230,13 +230,21 @@ def _give_back_statement(where):
     return select(func.count()).select_from(back).add_cte(count_sampled(back, -1))
 
 
+def _reclaim_statement(*where):
+    return _give_back_statement(e.c.id.in_(
+        select(e.c.id)
+        .where(status_in(e.c.status, ["leased"]), e.c.leased_until < func.now(), *where)
+        .order_by(e.c.leased_until).limit(bindparam("limit"))
+        .with_for_update(skip_locked=True).scalar_subquery()))
+
+
+# The runs a lease names: `run_id = ANY(...)` lets the server skip other runs' partitions.
+OF_RUNS = e.c.run_id == func.any(bindparam("run_ids", type_=ARRAY(BigInteger)))
+TOKEN = bindparam("token", type_=UUID(as_uuid=True))
 # Built once: constructing a statement with CTEs costs SQLAlchemy about a millisecond.
-RECLAIM = _give_back_statement(e.c.id.in_(
-    select(e.c.id)
-    .where(status_in(e.c.status, ["leased"]), e.c.leased_until < func.now())
-    .order_by(e.c.leased_until).limit(bindparam("limit"))
-    .with_for_update(skip_locked=True).scalar_subquery()))
-RELEASE = _give_back_statement(e.c.lease_token == bindparam("token", type_=UUID(as_uuid=True)))
+RECLAIM = _reclaim_statement()
+RECLAIM_RUNS = _reclaim_statement(OF_RUNS)
+RELEASE = _give_back_statement(and_(OF_RUNS, e.c.lease_token == TOKEN))
 
 
 async def reclaim_expired(conn: AsyncConnection, limit: int = 10_000) -> int:
@@ -252,7 +260,8 @@ async def release(engine: AsyncEngine, lease: Lease) -> int:
     """Hand a lease's rows back unconsumed; returns how many were still held."""
     async with engine.begin() as conn:
         await conn.execute(NOTIFY_ROWS, {"run_ids": list(lease.run_ids), "what": "released"})
-        return (await conn.execute(RELEASE, {"token": lease.token})).scalar()
+        return (await conn.execute(RELEASE, {"token": lease.token,
+                                             "run_ids": list(lease.run_ids)})).scalar()
 
 
 async def release_runs(engine: AsyncEngine, run_ids: Sequence[int]) -> int:
@@ -280,9 +289,9 @@ async def renew(engine: AsyncEngine, lease: Lease, seconds: float) -> datetime:
     """Push a lease's expiry to now + seconds; LeaseLost if it was already reclaimed."""
     async with engine.begin() as conn:
         result = await conn.execute(
-            update(e).where(e.c.lease_token == lease.token)
+            update(e).where(OF_RUNS, e.c.lease_token == TOKEN)
             .values(leased_until=func.now() + timedelta(seconds=seconds))
-            .returning(e.c.leased_until))
+            .returning(e.c.leased_until), {"token": lease.token, "run_ids": list(lease.run_ids)})
         until = result.scalars().all()
     if len(until) != len(lease.rows):
         raise LeaseLost(f"lease {lease.token} holds {len(until)} of its {len(lease.rows)} rows: "
@@ -304,7 +313,7 @@ async def _check_min_ready(conn: AsyncConnection, run_ids, flow: SamplerConfig,
 
 async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min_policy_version,
                       allow_partial):
-    await reclaim_expired(conn)
+    await conn.execute(RECLAIM_RUNS, {"limit": 10_000, "run_ids": list(run_ids)})
     limit = None
     if flow.samples_per_insert is not None:
         limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready)
@@ -390,7 +399,7 @@ SET_ASIDE = text("""
 WITH aside AS (
     UPDATE experience_state
     SET status = 'retired', lease_token = NULL, leased_until = NULL
-    WHERE lease_token = :token AND group_id = ANY(:groups)
+    WHERE run_id = ANY(:run_ids) AND lease_token = :token AND group_id = ANY(:groups)
     RETURNING id, run_id
 ), noted AS (
     UPDATE experience_data d
@@ -419,7 +428,7 @@ async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUI
     are all equal), recording why in each row's metadata; the lease keeps the other rows."""
     async with engine.begin() as conn:
         await conn.execute(SET_ASIDE, {"token": lease.token, "groups": list(groups),
-                                       "reason": reason})
+                                       "reason": reason, "run_ids": list(lease.run_ids)})
         for run_id in lease.run_ids:  # explorers may make more now: wake them (a hint only)
             await conn.execute(select(func.pg_notify(runs.POLICY_CHANNEL,
                                                      f"{run_id}:set-aside")))

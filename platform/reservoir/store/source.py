@@ -28,7 +28,8 @@ SELECTABLE_STATUSES = ("raw", "ready", "quarantined")  # never leased, consumed,
 TRAINABLE_STATUSES = ("ready", "consumed", "quarantined", "retired")  # a stage reading history
 
 WHERE_IDS = """SELECT id FROM experiences
-WHERE (cardinality($1::bigint[]) = 0 OR run_id = ANY($1::bigint[])) AND status = ANY($2::text[])
+WHERE (cardinality($1::text[]) = 0 OR run_id = ANY($1::text[]::bigint[]))
+AND status = ANY($2::text[])
 AND (
 {sql}
 )"""
@@ -39,8 +40,9 @@ ROWS_OF_WHOLE_GROUPS = """WITH picked AS (
 SELECT {fields} FROM experiences e
 WHERE {filters} AND e.group_id IN (SELECT group_id FROM picked)
 ORDER BY {order}"""
-FILTERS = ("(cardinality($1::bigint[]) = 0 OR e.run_id = ANY($1::bigint[])) "
-           "AND e.status = ANY($2::text[]) AND ($3::bigint[] IS NULL OR e.id = ANY($3::bigint[]))")
+FILTERS = ("(cardinality($1::text[]) = 0 OR e.run_id = ANY($1::text[]::bigint[])) "
+           "AND e.status = ANY($2::text[]) "
+           "AND ($3::text[] IS NULL OR e.id = ANY($3::text[]::bigint[]))")
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,9 @@ def select_rows(url: str, source: Source, *, who: str = "a pipeline",
 
 
 async def _select(url: str, source: Source) -> list[dict[str, Any]]:
-    run_ids, statuses = list(source.run_ids), list(source.statuses)
+    # Ids travel as text[]: asyncpg decodes text[] itself, but looks up the type of every
+    # other array on each new connection (~18 ms), and a pipeline's connection is new.
+    run_ids, statuses = [str(r) for r in source.run_ids], list(source.statuses)
     async with direct.connect(url, check_schema=False) as conn:
         async with usersql.transaction(conn, timeout_s=source.timeout_s,
                                        isolation="repeatable_read"):
@@ -90,7 +94,7 @@ async def _select(url: str, source: Source) -> list[dict[str, Any]]:
                                                 template=WHERE_IDS, fixed=(run_ids, statuses))
                 except usersql.UserSQLError as exc:
                     raise usersql.UserSQLError(f"source.where: {exc}") from None
-                ids = [row[0] for row in found.rows]
+                ids = [str(row[0]) for row in found.rows]
             limited = source.limit is not None
             sql = (ROWS_OF_WHOLE_GROUPS if limited else ROWS).format(
                 filters=FILTERS, order=order_clause(source.order_by),

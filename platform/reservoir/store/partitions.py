@@ -1,0 +1,70 @@
+"""A run's partitions: experience_data_r<id> and experience_state_r<id>, one of each per run.
+
+Migration 0013 partitions both tables by run; the trigger `runs_add_partitions` creates a run's
+two partitions with its row (`experience_partitions_add(run id)`). Here they go: every row that
+names one of the run's experiences is deleted first (review_actions keep theirs, links
+cleared; parent links to the run's rows are cleared), since a partition that rows name cannot
+be detached; then each partition is detached and dropped, one statement a table, instead of a
+delete row by row.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, text
+from sqlalchemy.exc import DBAPIError
+
+PARENTS = ("experience_state", "experience_data")  # in this order: the state names the data
+UNLINK = [text(sql) for sql in (
+    "DELETE FROM batch_pairs WHERE preference_id IN "
+    "(SELECT id FROM preferences WHERE run_id = :run)",
+    "DELETE FROM batch_items WHERE run_id = :run",
+    "DELETE FROM operator_events WHERE run_id = :run",
+    "DELETE FROM reviews WHERE run_id = :run",
+    "DELETE FROM preferences WHERE run_id = :run",
+    "UPDATE review_actions SET run_id = NULL, experience_id = NULL WHERE run_id = :run",
+    "UPDATE experience_data SET parent_run_id = NULL, parent_id = NULL "
+    "WHERE parent_run_id = :run",
+)]
+ADD = text("SELECT experience_partitions_add(:run)")
+DETACH_TRIES, DETACH_WAIT = 5, "1s"  # each try holds new leases back for at most DETACH_WAIT
+
+
+def names(run_id: int) -> list[str]:
+    """The run's partitions, state first."""
+    return [f"{parent}_r{int(run_id)}" for parent in PARENTS]
+
+
+def drop(conn: Connection, run_id: int) -> int:
+    """Delete what names the run's experiences and drop its partitions, in the caller's
+    transaction; returns how many experiences went."""
+    for statement in UNLINK:
+        conn.execute(statement, {"run": run_id})
+    partitions = names(run_id)
+    dropped = conn.execute(text(f"SELECT count(*) FROM {partitions[0]}")).scalar()
+    for parent, partition in zip(PARENTS, partitions):  # a detached state partition still
+        _detach(conn, parent, partition)                 # names the data parent: it goes first
+        conn.execute(text(f"DROP TABLE {partition}"))
+    return dropped
+
+
+def add(conn: Connection, run_id: int) -> None:
+    """Create the run's partitions if they are missing (after a drop, for a restore)."""
+    conn.execute(ADD, {"run": run_id})
+
+
+def _detach(conn: Connection, parent: str, partition: str) -> None:
+    """DETACH waits for every open transaction on `parent` and holds back new ones while it
+    waits: it gives up after DETACH_WAIT and tries again, so a long reader stalls no lease for
+    longer than that."""
+    for attempt in range(DETACH_TRIES):
+        savepoint = conn.begin_nested()
+        try:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{DETACH_WAIT}'"))
+            conn.execute(text(f"ALTER TABLE {parent} DETACH PARTITION {partition}"))
+            conn.execute(text("SET LOCAL lock_timeout = DEFAULT"))
+            savepoint.commit()
+            return
+        except DBAPIError as exc:
+            savepoint.rollback()
+            if getattr(exc.orig, "pgcode", None) != "55P03" or attempt == DETACH_TRIES - 1:
+                raise
