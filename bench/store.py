@@ -121,7 +121,7 @@ class Pool:
             group_id = uuid.uuid4()
             for index, row in enumerate(group):
                 row_id = next(ids)
-                data.append((row_id, run_id, None, *row, "{}", None))
+                data.append((row_id, run_id, None, *row, "{}", None, None))
                 state.append((row_id, run_id, group_id, index, 0, "ready"))
         return data, state
 
@@ -237,20 +237,23 @@ SELECT 'expression ' || a.attname || ' ' || pg_get_expr(d.adbin, d.adrelid)
  WHERE d.adrelid = $1::regclass
 UNION ALL
 SELECT 'constraint ' || contype::text || ' ' || pg_get_constraintdef(oid)
-  FROM pg_constraint WHERE conrelid = $1::regclass
+  FROM pg_constraint WHERE conrelid = $1::regclass AND conparentid = 0
 UNION ALL
 SELECT 'index unique=' || indisunique || ' ' || regexp_replace(pg_get_indexdef(indexrelid), '^.* USING ', '')
   FROM pg_index WHERE indrelid = $1::regclass
 """
-# The one-table queue: the data columns plus the state columns, with the indexes the
-# experiences table had before migration 0012.
+# The one-table queue: the data columns plus the state columns, keyed by id alone, with the
+# indexes the experiences table had before migrations 0012 and 0013.
 QUEUE = f"""
-CREATE TABLE {BARE_QUEUE} (LIKE experience_data INCLUDING ALL,
+CREATE TABLE {BARE_QUEUE} (LIKE experience_data INCLUDING ALL EXCLUDING INDEXES,
+    PRIMARY KEY (id),
     group_id uuid NOT NULL, group_row smallint NOT NULL, policy_version integer NOT NULL,
     status text NOT NULL DEFAULT 'ready', priority float8 NOT NULL DEFAULT 0,
     times_sampled integer NOT NULL DEFAULT 0, lease_token uuid, leased_until timestamptz,
     created_at timestamptz NOT NULL DEFAULT now(),
     CHECK ((status = 'leased') = (lease_token IS NOT NULL)));
+CREATE INDEX ON {BARE_QUEUE} (task_id);
+CREATE INDEX ON {BARE_QUEUE} (parent_id) WHERE parent_id IS NOT NULL;
 CREATE INDEX ON {BARE_QUEUE} (run_id, created_at, id) WHERE status = 'ready';
 CREATE INDEX ON {BARE_QUEUE} (run_id, priority DESC, id) WHERE status = 'ready';
 CREATE INDEX ON {BARE_QUEUE} (leased_until) WHERE status = 'leased';
@@ -267,11 +270,12 @@ def create_bare_tables(bare: Bare) -> str:
         CREATE TABLE {BARE_DATA} (LIKE experience_data INCLUDING ALL,
             FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE,
             FOREIGN KEY (task_id) REFERENCES tasks (id) ON DELETE SET NULL);
-        ALTER TABLE {BARE_DATA} ADD FOREIGN KEY (parent_id) REFERENCES {BARE_DATA} (id)
-            ON DELETE SET NULL;
         CREATE TABLE {BARE_STATE} (LIKE experience_state INCLUDING ALL,
-            FOREIGN KEY (id) REFERENCES {BARE_DATA} (id) ON DELETE CASCADE,
-            FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE);""")
+            CONSTRAINT experience_state_data FOREIGN KEY (run_id, id)
+                REFERENCES {BARE_DATA} (run_id, id) ON DELETE CASCADE,
+            FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE);
+        ALTER TABLE {BARE_DATA} ADD FOREIGN KEY (parent_run_id, parent_id)
+            REFERENCES {BARE_STATE} (run_id, id) ON DELETE SET NULL;""")
     bare.execute(QUEUE)
     return check_same_shape(bare)
 
@@ -279,7 +283,8 @@ def create_bare_tables(bare: Bare) -> str:
 def _catalog(bare: Bare, table: str, as_name: str) -> list[str]:
     lines = [row[0].replace(table, as_name) for row in bare.fetch(CATALOG, table)]
     return sorted(re.sub(r"nextval\('[^']*'::regclass\)", "nextval(<seq>)", line)
-                  .replace(BARE_DATA, "experience_data") for line in lines)
+                  .replace(BARE_DATA, "experience_data").replace(BARE_STATE, "experience_state")
+                  for line in lines)
 
 
 def check_same_shape(bare: Bare) -> str:

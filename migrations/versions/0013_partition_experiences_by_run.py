@@ -19,7 +19,8 @@ names an experience names its run too:
 - preferences' chosen and rejected rows are of the preference's run (as every writer made them);
 - a parent is (parent_run_id, parent_id), both set or both NULL (a parent may be of another run).
 
-The unique group index is now per run: (run_id, group_id, group_row). The view `experiences`
+The unique group index is now per run: (group_id, group_row, run_id), led by the group so that
+a lookup by group alone still probes one index a partition. The view `experiences`
 joins on (run_id, id) and ends with `parent_run_id`; its triggers are replaced to match.
 Existing rows move into the run's partitions.
 """
@@ -72,7 +73,7 @@ CREATE TABLE experience_data (
     parent_run_id bigint,
     prompt_len integer GENERATED ALWAYS AS (length(prompt_ids) / 4) STORED,
     response_len integer GENERATED ALWAYS AS (length(response_ids) / 4) STORED,
-    CONSTRAINT experience_data_pkey PRIMARY KEY (run_id, id),
+    CONSTRAINT experience_data_pkey PRIMARY KEY (id, run_id),
     CONSTRAINT experience_data_parent_both
         CHECK ((parent_id IS NULL) = (parent_run_id IS NULL))
 ) PARTITION BY LIST (run_id);
@@ -93,7 +94,7 @@ CREATE TABLE experience_state (
     lease_token uuid,
     leased_until timestamptz,
     created_at timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT experience_state_pkey PRIMARY KEY (run_id, id),
+    CONSTRAINT experience_state_pkey PRIMARY KEY (id, run_id),
     CONSTRAINT experience_state_data FOREIGN KEY (run_id, id)
         REFERENCES experience_data (run_id, id) ON DELETE CASCADE,
     {", ".join(_0012._state_checks("experience_state"))}
@@ -103,7 +104,7 @@ CREATE INDEX experience_state_ready ON experience_state (run_id, created_at, id)
 CREATE INDEX experience_state_ready_priority ON experience_state (run_id, priority DESC, id)
     WHERE status = 'ready';
 CREATE INDEX experience_state_leased ON experience_state (leased_until) WHERE status = 'leased';
-CREATE UNIQUE INDEX experience_state_group_row ON experience_state (run_id, group_id, group_row);
+CREATE UNIQUE INDEX experience_state_group_row ON experience_state (group_id, group_row, run_id);
 CREATE INDEX experience_state_run_status ON experience_state (run_id, status);
 CREATE INDEX experience_state_lease_token ON experience_state (lease_token)
     WHERE lease_token IS NOT NULL;

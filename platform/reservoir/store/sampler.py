@@ -134,7 +134,8 @@ def _returned(leased):
             d.c.reward, d.c.reward_components.cast(Text).label("reward_components"),
             leased.c.times_sampled, d.c.prompt_ids, d.c.response_ids, d.c.logprobs,
             d.c.action_mask, d.c.shaped_reward,
-            select(func.count()).where(_mates.c.group_id == leased.c.group_id)
+            select(func.count()).where(_mates.c.group_id == leased.c.group_id,
+                                       _mates.c.run_id == leased.c.run_id)
             .scalar_subquery().label("group_rows"), leased.c.leased_until)
 
 
@@ -191,26 +192,34 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
     Bound at execution: run_ids, n (rows or groups), token, lease_for (an interval) and, with
     explicit_floor, min_version.
     """
-    where = and_(e.c.run_id.in_(bindparam("run_ids", type_=BigInteger, expanding=True)), _eligible(e, flow),
-                 _version_floor(flow, explicit_floor))
+    of_runs = e.c.run_id.in_(bindparam("run_ids", type_=BigInteger, expanding=True))
+    where = and_(of_runs, _eligible(e, flow), _version_floor(flow, explicit_floor))
     lease_values = dict(status="leased", lease_token=bindparam("token", type_=UUID(as_uuid=True)),
                         leased_until=func.now() + bindparam("lease_for", type_=Interval))
     if unit == "rows":
         picked = (select(e.c.id).where(where).order_by(*ORDERS[flow.order])
                   .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
-        leased = (update(e).where(e.c.id == picked.c.id).values(**lease_values)
+        leased = (update(e).where(of_runs, e.c.id == _any_of(select(picked.c.id)))
+                  .values(**lease_values)
                   .returning(*STATE_RETURNED).cte("leased"))
         return _with_data(leased)
     other = e.alias("other")
     leader = ~exists().where(
-        other.c.group_id == e.c.group_id,
+        other.c.group_id == e.c.group_id, other.c.run_id == e.c.run_id,
         status_in(other.c.status, SETTLING)
         | and_(other.c.group_row < e.c.group_row, _eligible(other, flow)))
     picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
               .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
-    leased = (update(e).where(e.c.group_id == picked.c.group_id, _eligible(e, flow))
+    leased = (update(e).where(of_runs, e.c.group_id == _any_of(select(picked.c.group_id)),
+                              _eligible(e, flow))
               .values(**lease_values).returning(*STATE_RETURNED).cte("leased"))
     return _with_data(leased)
+
+
+def _any_of(query):
+    """`= ANY(ARRAY(query))`: one index scan of each partition for all the picked rows (a join
+    to picked rows of a partitioned table gets a hash join over a seq scan)."""
+    return func.any(func.array(query.scalar_subquery()))
 
 
 def _to_leased(row) -> LeasedExperience:
@@ -231,11 +240,11 @@ def _give_back_statement(where):
 
 
 def _reclaim_statement(*where):
-    return _give_back_statement(e.c.id.in_(
+    return _give_back_statement(and_(*where, e.c.id == _any_of(
         select(e.c.id)
         .where(status_in(e.c.status, ["leased"]), e.c.leased_until < func.now(), *where)
         .order_by(e.c.leased_until).limit(bindparam("limit"))
-        .with_for_update(skip_locked=True).scalar_subquery()))
+        .with_for_update(skip_locked=True))))
 
 
 # The runs a lease names: `run_id = ANY(...)` lets the server skip other runs' partitions.

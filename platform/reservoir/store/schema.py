@@ -135,7 +135,7 @@ experience_data = Table(
     Column("parent_run_id", BigInteger),  # a parent may be of another run
     Column("prompt_len", Integer, Computed("length(prompt_ids) / 4", persisted=True)),
     Column("response_len", Integer, Computed("length(response_ids) / 4", persisted=True)),
-    PrimaryKeyConstraint("run_id", "id", name="experience_data_pkey"),
+    PrimaryKeyConstraint("id", "run_id", name="experience_data_pkey"),
     CheckConstraint("(parent_id IS NULL) = (parent_run_id IS NULL)",
                     name="experience_data_parent_both"),
     _experience_key(("parent_run_id", "parent_id"), "experience_data_parent_id_fkey", "SET NULL",
@@ -165,7 +165,7 @@ experience_state = Table(
         "(status = 'leased') = (lease_token IS NOT NULL)", name="experience_state_lease_iff_leased"
     ),
     CheckConstraint("group_row >= 0", name="experience_state_group_row_valid"),
-    PrimaryKeyConstraint("run_id", "id", name="experience_state_pkey"),
+    PrimaryKeyConstraint("id", "run_id", name="experience_state_pkey"),
     ForeignKeyConstraint(["run_id", "id"], ["experience_data.run_id", "experience_data.id"],
                          name="experience_state_data", ondelete="CASCADE"),
     Index("experience_state_ready", "run_id", "created_at", "id",
@@ -178,7 +178,7 @@ experience_state = Table(
         postgresql_where=text("status = 'ready'"),
     ),
     Index("experience_state_leased", "leased_until", postgresql_where=text("status = 'leased'")),
-    Index("experience_state_group_row", "run_id", "group_id", "group_row", unique=True),
+    Index("experience_state_group_row", "group_id", "group_row", "run_id", unique=True),
     Index("experience_state_run_status", "run_id", "status"),
     Index("experience_state_lease_token", "lease_token",
           postgresql_where=text("lease_token IS NOT NULL")),

@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from reservoir.config import SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
-from reservoir.store import runs
+from reservoir.store import partitions, runs
 from reservoir.store.flow import RateLimit
 from reservoir.store.notify import AsyncWake, rows_channel
 from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
@@ -128,12 +128,20 @@ async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status
     the groups that passed; a bad group in "raise" mode ends the data and raises here (the
     caller's transaction rolls back)."""
     raw = (await conn.get_raw_connection()).driver_connection
-    await raw.copy_records_to_table("experience_data", columns=COPY_DATA_COLUMNS,
+    state_table, data_table = _tables(stream)
+    await raw.copy_records_to_table(data_table, columns=COPY_DATA_COLUMNS,
                                     records=stream.data_records(ids))
     if stream.error is not None:
         raise stream.error
-    await raw.copy_records_to_table("experience_state", columns=COPY_STATE_COLUMNS,
+    await raw.copy_records_to_table(state_table, columns=COPY_STATE_COLUMNS,
                                     records=stream.state_records(ids, status))
+
+
+def _tables(stream: "_Stream") -> list[str]:
+    """(state, data) tables to COPY into: the run's partitions when every row is of one run
+    (the server routes no row), else the partitioned tables."""
+    run_ids = {group.run_id for group in stream.admitted}
+    return partitions.names(run_ids.pop()) if len(run_ids) == 1 else list(partitions.PARENTS)
 
 
 @dataclass(frozen=True)
