@@ -131,3 +131,18 @@ def test_retention_checks_ranges_and_that_archiving_has_a_folder(write, body, ke
                                "retire_after_days: 7.5}\n"))
     assert (config.store.retention.archive_after_days, config.store.retention.retire_after_days
             ) == (30.0, 7.5)
+
+
+@pytest.mark.parametrize("body, key", [
+    ('store:\n  data_dir: "a\\0b"\n', "store.data_dir"),
+    ('store:\n  retention: {archive_dir: "old\\0", archive_after_days: 30}\n',
+     "store.retention.archive_dir"),
+    ('model:\n  path: "models/\\0tiny"\n', "model.path"),
+    ('tasks:\n  file: "tasks\\0.jsonl"\n', "tasks.file"),
+    ('trainer:\n  checkpoint_dir: "\\0"\n', "trainer.checkpoint_dir"),
+    ('pipelines: ["clean.yaml", "x\\0.yaml"]\n', "pipelines.1"),
+    ('store:\n  data_dir: "  "\n', "store.data_dir"),
+])
+def test_a_path_with_a_nul_or_nothing_in_it_is_refused_naming_its_key(write, body, key):
+    message = config_error(write(body))
+    assert re.search(rf"{re.escape(key)} \(line \d+\): [^;]*without NUL", message), message

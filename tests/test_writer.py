@@ -308,3 +308,24 @@ def test_database_failure_is_a_store_error(seeded):
     # wrap driver errors; ledger.py wraps IntegrityError this way).
     with pytest.raises(StoreError, match="task_id"):
         seeded.write_groups([make_group("r", seed=2, task_id=999_999)])
+
+
+def test_a_parent_names_an_experience_and_its_run(seeded):
+    """A parent of another run is stored with that run; a parent id no experience has refuses
+    its group (skip mode writes the others)."""
+    seeded.create_run("child", group_size=4)
+    (parent_id, parent_run), = fetch(seeded, "SELECT id, run_id FROM experiences "
+                                              "ORDER BY id LIMIT 1")
+    missing = fetch(seeded, "SELECT max(id) + 1000 FROM experiences")[0][0]
+    good = make_group("child", seed=1, parent_id=parent_id)
+    bad = make_group("child", seed=2, parent_id=missing)
+    with pytest.raises(ExperienceInvalid, match=f"group 1 row 0: field 'parent_id' = {missing}: "
+                                                "no experience has that id"):
+        seeded.write_groups([good, bad])
+    assert counts(seeded) == (4, 4)
+    result = seeded.write_groups([good, bad], on_invalid="skip")
+    assert result.groups == 1 and [e.field for e in result.rejected] == ["parent_id"]
+    rows = fetch(seeded, "SELECT parent_id, parent_run_id, run_id FROM experiences "
+                         "WHERE parent_id IS NOT NULL")
+    child_run = fetch(seeded, "SELECT id FROM runs WHERE name = 'child'")[0][0]
+    assert rows == [(parent_id, parent_run, child_run)] * 4 and parent_run != child_run

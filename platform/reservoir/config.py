@@ -81,7 +81,14 @@ def _device(value: str) -> str:
     return value
 
 
+def _local_path(value: Path) -> Path:
+    if "\x00" in str(value) or not str(value).strip():
+        raise ValueError("a path is a non-empty file or folder name without NUL characters")
+    return value
+
+
 RunName = Annotated[str, AfterValidator(_run_name)]
+LocalPath = Annotated[Path, AfterValidator(_local_path)]  # every file or folder in a config
 Device = Annotated[str, AfterValidator(_device)]
 DatabaseUrl = Annotated[str | None, AfterValidator(_database_url)]
 # Numbers are checked for type (no true/false, no 1.5 where a count is meant), range and
@@ -140,8 +147,8 @@ class RetentionConfig(Section):
     """How long ended runs (stopped, finished, failed) keep their rows in the store
     (`reservoir runs retention` applies it); unset: forever."""
 
-    archive_dir: str | None = Field(
-        default=None, min_length=1, description="folder that archives go to, one folder per "
+    archive_dir: LocalPath | None = Field(
+        default=None, description="folder that archives go to, one folder per "
         "run (archive_dir/<run name>)")
     archive_after_days: Number | None = number(
         None, gt=0, le=36_500, description="an ended run whose updated_at is older than this "
@@ -166,7 +173,7 @@ class StoreConfig(Section):
         default=None,
         description="PostgreSQL URL. Unset: RESERVOIR_DB_URL, else the embedded server.",
     )
-    data_dir: Path = Field(
+    data_dir: LocalPath = Field(
         default=Path(DEFAULT_DATA_DIR),
         description="Data directory of the embedded server (used only without a URL).",
     )
@@ -223,7 +230,7 @@ class SamplerConfig(Section):
 class ModelConfig(Section):
     """The policy: a local Hugging Face folder (build one with `reservoir model tiny`)."""
 
-    path: Path = Path("models/tiny")
+    path: LocalPath = Path("models/tiny")
 
 
 def _generator(value: str | None) -> str | None:
@@ -237,7 +244,7 @@ class TasksConfig(Section):
     """Where tasks come from: a file, or a generator for the CPU examples (neither: a served
     run, whose agents bring their own)."""
 
-    file: Path | None = None
+    file: LocalPath | None = None
     generate: Annotated[str | None, AfterValidator(_generator)] = Field(
         default="reverse", description="addition, reverse, sort, calculator or guess_number")
     count: Count = count(2000, 1, 10_000_000)
@@ -341,7 +348,7 @@ AlgorithmChoice = Annotated[AlgorithmConfig, BeforeValidator(_algorithm_mapping)
 class CriticConfig(Section):
     """PPO's value model (used by algorithms whose advantage is gae)."""
 
-    path: Path | None = Field(default=None, description="a Hugging Face model folder whose "
+    path: LocalPath | None = Field(default=None, description="a Hugging Face model folder whose "
                               "decoder becomes the critic; unset: a copy of the policy's start")
     lr: Number = number(1e-3, gt=0, le=1)
 
@@ -363,7 +370,7 @@ class TrainerConfig(Section):
     warmup_batch: Count = count(32, 1, 1_000_000)
     warmup_lr: Number = number(3e-3, gt=0, le=1)
     checkpoint_interval: Count = count(10, 1, 100_000_000)
-    checkpoint_dir: Path = Path("checkpoints")
+    checkpoint_dir: LocalPath = Path("checkpoints")
     threads: Count | None = count(None, 1, 1024, "torch threads; unset: every core in sync "
                                   "mode, a share of them in async mode")
     wait_timeout_s: Number = number(1800.0, gt=0, le=30 * DAY,
@@ -489,7 +496,7 @@ class ReservoirConfig(Section):
     serve: ServeConfig | None = Field(
         default=None, description="set (`serve: {}` for the defaults) when agents feed the run "
         "through `reservoir serve`: its groups are episodes of any size")
-    pipelines: tuple[Path, ...] = Field(
+    pipelines: tuple[LocalPath, ...] = Field(
         default=(), description="stream pipelines a run starts: explorers then write raw rows, "
         "and only rows a pipeline passes become ready for the trainer")
 
