@@ -144,6 +144,30 @@ def test_samples_per_insert_blocks_explorers_ahead_of_the_trainer(make_store):
     assert store.write_groups([make_group("r", seed=5)]).rows == 4
 
 
+def test_a_writer_waiting_for_room_holds_no_transaction_open(make_store):
+    """While explorers are ahead, a write waits before its transaction: no snapshot, no locks,
+    no pooled connection held while it waits."""
+    store = make_store(samples_per_insert=1.0, spi_tolerance=8, wait_timeout_s=3.0)
+    store.create_run("r")
+    fill(store, "r", 2)
+    waited = []
+
+    def write() -> None:
+        with pytest.raises(FlowControlTimeout):
+            store.write_groups([make_group("r", seed=5)])
+        waited.append(True)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    time.sleep(1.0)
+    with store.engine.connect() as conn:
+        open_transactions = conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND xact_start IS NOT NULL")).scalar()
+    thread.join(10)
+    assert waited == [True] and open_transactions == 0
+
+
 def test_requests_larger_than_the_window_fail_at_once(make_store):
     store = make_store(samples_per_insert=1.0, spi_tolerance=2)
     store.create_run("r")

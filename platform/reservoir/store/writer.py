@@ -88,6 +88,8 @@ async def write_groups(
              and isinstance(group[0], Experience)]
     parents = sorted({exp.parent_id for group in groups if isinstance(group, Sequence)
                       for exp in group if isinstance(exp, Experience) and _is_id(exp.parent_id)})
+    if flow.samples_per_insert is not None:  # before the transaction: it holds nothing waiting
+        await _wait_for_room(engine, await _rows_per_run(engine, groups), flow)
     try:
         async with engine.begin() as conn:  # one connection: lookups, ids, rows, counters
             run_info, existing, parent_runs = await _lookup(
@@ -98,11 +100,8 @@ async def write_groups(
                                         result)
             if not admitted:
                 return result
-            planned: Counter = Counter()
-            for group in admitted:
-                planned[group.run_id] += len(group.rows)
-            await _wait_for_room(engine, planned, flow)
-            ids = (await conn.execute(NEXT_IDS, {"n": sum(planned.values())})).scalars().all()
+            ids = (await conn.execute(NEXT_IDS, {"n": sum(len(g.rows) for g in admitted)})
+                   ).scalars().all()
             if before_copy is not None:
                 await before_copy(conn)
             stream = _Stream(admitted, parent_runs, on_invalid, result)
@@ -299,6 +298,20 @@ def _admit(group: Sequence[Experience], index: int,
             f"{group_size}; nothing of this group was written",
             group_index=index, row_index=None, field="group_size")
     return _Admitted(index, run_id, first.group_id or uuid.uuid4(), group)
+
+
+async def _rows_per_run(engine: AsyncEngine, groups) -> Counter:
+    """Rows each run would get if every group passed (what flow control waits for room for)."""
+    names = Counter()
+    for group in groups:
+        if isinstance(group, Sequence) and group and isinstance(group[0], Experience):
+            names[group[0].run] += len(group)
+    known = [name for name in names if isinstance(name, str)]
+    if not known:
+        return Counter()
+    async with engine.connect() as conn:
+        ids = {row.name: row.id for row in await conn.execute(runs.lookup(known))}
+    return Counter({ids[name]: n for name, n in names.items() if name in ids})
 
 
 async def _wait_for_room(engine: AsyncEngine, rows_per_run: Counter, flow: SamplerConfig) -> None:
