@@ -251,6 +251,15 @@ def test_a_populated_store_moves_into_partitions_by_run_and_back(new_database, e
         assert conn.execute(text("SELECT count(*) FROM pg_inherits WHERE inhrelid IN "
                                  "('experience_data_r3'::regclass, "
                                  "'experience_state_r3'::regclass)")).scalar() == 2
+    with engine.begin() as conn:  # SQL by hand that names an experience but not its run
+        conn.execute(text("INSERT INTO reviews (id, experience_id) VALUES (2, 2)"))
+        assert conn.execute(text("SELECT run_id FROM reviews WHERE experience_id = 2")
+                            ).scalar() == 1
+        conn.execute(text("DELETE FROM reviews WHERE experience_id = 2"))
+    with pytest.raises(Exception, match="operator_events_experience_run"):
+        with engine.begin() as conn:  # no experience 99: no run to name, refused
+            conn.execute(text("INSERT INTO operator_events (pipeline_run_id, experience_id, "
+                              "operator, kind) VALUES (1, 99, 'op', 'scored')"))
     with pytest.raises(Exception, match="batch_items_experience_id_fkey"):
         with engine.begin() as conn:  # experience 4 is of run 2, not 1
             conn.execute(text("INSERT INTO batch_items (train_step_id, run_id, experience_id, "

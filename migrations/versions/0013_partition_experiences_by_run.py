@@ -15,7 +15,8 @@ A key of a partitioned table includes the partition key, so an experience is now
 names an experience names its run too:
 
 - batch_items, operator_events, reviews and review_actions gain `run_id`, filled from the rows
-  they name; their foreign keys are (run_id, experience_id);
+  they name (and by a trigger where an insert leaves it out); their foreign keys are
+  (run_id, experience_id);
 - preferences' chosen and rejected rows are of the preference's run (as every writer made them);
 - a parent is (parent_run_id, parent_id), both set or both NULL (a parent may be of another run).
 
@@ -143,6 +144,20 @@ END $$;
 CREATE TRIGGER runs_add_partitions AFTER INSERT ON runs
     FOR EACH ROW EXECUTE FUNCTION runs_add_partitions();
 """
+
+
+# A row that names an experience but not its run (SQL written by hand) gets the run filled in;
+# an experience that does not exist leaves it NULL, which its constraints refuse.
+NAMED_RUN = """
+CREATE FUNCTION experience_run_fill() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT run_id INTO NEW.run_id FROM experience_state WHERE id = NEW.experience_id;
+    RETURN NEW;
+END $$;
+""" + "".join(f"""
+CREATE TRIGGER {table}_experience_run BEFORE INSERT ON {table} FOR EACH ROW
+    WHEN (NEW.run_id IS NULL AND NEW.experience_id IS NOT NULL)
+    EXECUTE FUNCTION experience_run_fill();""" for table in GAIN_RUN_ID)
 
 
 def _view() -> str:
@@ -283,6 +298,7 @@ def upgrade() -> None:
         op.execute(f"ALTER TABLE {table} ADD CONSTRAINT {table}_experience_run "
                    "CHECK ((experience_id IS NULL) = (run_id IS NULL))")
     _add_references()
+    op.execute(NAMED_RUN)
     op.execute(_view())
     op.execute(_triggers())
     _0012._restore_analytics_views(saved)
@@ -292,6 +308,7 @@ def downgrade() -> None:
     saved = _0012._save_analytics_views()
     op.execute("DROP VIEW experiences")
     _drop_references()
+    op.execute("DROP FUNCTION experience_run_fill() CASCADE")
     for table in GAIN_RUN_ID:
         op.execute(f"ALTER TABLE {table} DROP COLUMN run_id")
     op.execute("""
