@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,8 +252,9 @@ def run_step(step: Step, data):
     if step.kind == "filter":  # an empty stats column added at once (Data-Juicer adds it row
         data = data.add_column("__dj__stats__", [{}] * len(data))  # by row, ~0.5 s a filter)
         with_stats = step.op.run(data, reduce=False)
-        kept = with_stats.filter(step.op.process, num_proc=step.op.runtime_np(),
-                                 batch_size=step.op.batch_size)
+        kept = with_stats.filter(step.op.process, num_proc=step.op.runtime_np(),  # nothing is
+                                 batch_size=step.op.batch_size,  # cached: no hash of the
+                                 new_fingerprint=uuid.uuid4().hex)  # function and rows needed
         return kept, with_stats
     if step.kind == "deduplicator":
         return trace.deduplicate(step.op, data)
