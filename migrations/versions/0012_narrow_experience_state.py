@@ -45,6 +45,13 @@ ORDER = ("id", "run_id", "task_id", "group_id", "group_row", "policy_version", "
          "lease_token", "leased_until", "parent_id", "prompt_len", "response_len", "created_at")
 
 
+# The state's columns after id and run_id, as CREATE TABLE declares them.
+STATE_COLUMNS = """group_id uuid NOT NULL, group_row smallint NOT NULL,
+    policy_version integer NOT NULL, status text NOT NULL DEFAULT 'ready',
+    priority float8 NOT NULL DEFAULT 0, times_sampled integer NOT NULL DEFAULT 0,
+    lease_token uuid, leased_until timestamptz, created_at timestamptz NOT NULL DEFAULT now()"""
+
+
 def _lease_indexes(table: str) -> str:
     """The indexes that serve leases, on the table that holds the state (named after it)."""
     return f"""
@@ -192,15 +199,7 @@ def upgrade() -> None:
         CREATE TABLE experience_state (
             id bigint PRIMARY KEY REFERENCES experience_data (id) ON DELETE CASCADE,
             run_id bigint NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
-            group_id uuid NOT NULL,
-            group_row smallint NOT NULL,
-            policy_version integer NOT NULL,
-            status text NOT NULL DEFAULT 'ready',
-            priority float8 NOT NULL DEFAULT 0,
-            times_sampled integer NOT NULL DEFAULT 0,
-            lease_token uuid,
-            leased_until timestamptz,
-            created_at timestamptz NOT NULL DEFAULT now(),
+            {STATE_COLUMNS},
             {", ".join(_state_checks("experience_state"))}
         );
         INSERT INTO experience_state (id, run_id, {_columns('', STATE)})

@@ -86,15 +86,7 @@ ALTER SEQUENCE experience_data_id_seq OWNED BY experience_data.id;
 CREATE TABLE experience_state (
     id bigint NOT NULL,
     run_id bigint NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
-    group_id uuid NOT NULL,
-    group_row smallint NOT NULL,
-    policy_version integer NOT NULL,
-    status text NOT NULL DEFAULT 'ready',
-    priority float8 NOT NULL DEFAULT 0,
-    times_sampled integer NOT NULL DEFAULT 0,
-    lease_token uuid,
-    leased_until timestamptz,
-    created_at timestamptz NOT NULL DEFAULT now(),
+    {_0012.STATE_COLUMNS},
     CONSTRAINT experience_state_pkey PRIMARY KEY (id, run_id),
     CONSTRAINT experience_state_data FOREIGN KEY (run_id, id)
         REFERENCES experience_data (run_id, id) ON DELETE CASCADE,
@@ -339,10 +331,7 @@ def downgrade() -> None:
         CREATE TABLE experience_state (
             id bigint PRIMARY KEY REFERENCES experience_data (id) ON DELETE CASCADE,
             run_id bigint NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
-            group_id uuid NOT NULL, group_row smallint NOT NULL, policy_version integer NOT NULL,
-            status text NOT NULL DEFAULT 'ready', priority float8 NOT NULL DEFAULT 0,
-            times_sampled integer NOT NULL DEFAULT 0, lease_token uuid, leased_until timestamptz,
-            created_at timestamptz NOT NULL DEFAULT now(),
+            {_0012.STATE_COLUMNS},
             {", ".join(_0012._state_checks("experience_state"))});
         INSERT INTO experience_data (id, run_id, {_columns('', moved)})
         SELECT id, run_id, {_columns('', moved)} FROM experience_data_0012 ORDER BY id;
