@@ -58,20 +58,18 @@ TEXT_FORM = ("json", "jsonb", "uuid")  # archived as their text, cast back on re
 
 Progress = Callable[[str, int, int], None]  # (table, rows done, rows in all)
 
-RUN_ROWS = "SELECT id FROM experiences WHERE run_id = :run"
-RUN_PAIRS = (f"SELECT id FROM preferences WHERE chosen_id IN ({RUN_ROWS}) "
-             f"OR rejected_id IN ({RUN_ROWS})")
-# Each archived table, in restore order: which of its rows are the run's, and their order.
+RUN_PAIRS = "SELECT id FROM preferences WHERE run_id = :run"
+# Each archived table, in restore order: which of its rows are the run's (a row naming an
+# experience names its run, migration 0013), and their order.
 TABLES = {
     "experiences": ("run_id = :run", "id"),
-    "batch_items": (f"experience_id IN ({RUN_ROWS})", "train_step_id, experience_id"),
-    "operator_events": (f"experience_id IN ({RUN_ROWS})", "id"),
-    "reviews": (f"experience_id IN ({RUN_ROWS})", "id"),
-    "preferences": (f"chosen_id IN ({RUN_ROWS}) OR rejected_id IN ({RUN_ROWS})", "id"),
+    "batch_items": ("run_id = :run", "train_step_id, experience_id"),
+    "operator_events": ("run_id = :run", "id"),
+    "reviews": ("run_id = :run", "id"),
+    "preferences": ("run_id = :run", "id"),
     "batch_pairs": (f"preference_id IN ({RUN_PAIRS})", "train_step_id, preference_id"),
-    "review_actions": (f"experience_id IN ({RUN_ROWS}) OR preference_id IN ({RUN_PAIRS}) OR "
-                       f"review_id IN (SELECT id FROM reviews WHERE experience_id IN ({RUN_ROWS}))",
-                       "id"),
+    "review_actions": (f"run_id = :run OR preference_id IN ({RUN_PAIRS}) OR "
+                       "review_id IN (SELECT id FROM reviews WHERE run_id = :run)", "id"),
 }
 RUNS = ("run_id", "parent_run_id")  # remapped when the run's id changed
 RELINKED = "review_actions"  # kept by the store, links set NULL: restored by setting them back
@@ -85,7 +83,7 @@ ORDER BY a.attnum""")
 FIND_RUN = text("SELECT id, status FROM runs WHERE name = :name")
 LOCK_RUN = text("SELECT id, status FROM runs WHERE name = :name FOR UPDATE")
 REVISION = text("SELECT version_num FROM alembic_version")
-LINKS_LOST = text(f"SELECT count(*) FROM experiences WHERE parent_id IN ({RUN_ROWS}) "
+LINKS_LOST = text("SELECT count(*) FROM experiences WHERE parent_run_id = :run "
                   "AND run_id <> :run")
 PRESENT = text("SELECT id FROM experiences WHERE id = ANY(CAST(:ids AS bigint[])) "
                "ORDER BY id LIMIT 3")
