@@ -237,7 +237,7 @@ SELECT 'expression ' || a.attname || ' ' || pg_get_expr(d.adbin, d.adrelid)
  WHERE d.adrelid = $1::regclass
 UNION ALL
 SELECT 'constraint ' || contype::text || ' ' || pg_get_constraintdef(oid)
-  FROM pg_constraint WHERE conrelid = $1::regclass AND conparentid = 0
+  FROM pg_constraint WHERE conrelid = $1::regclass
 UNION ALL
 SELECT 'index unique=' || indisunique || ' ' || regexp_replace(pg_get_indexdef(indexrelid), '^.* USING ', '')
   FROM pg_index WHERE indrelid = $1::regclass
@@ -263,7 +263,7 @@ CREATE INDEX ON {BARE_QUEUE} (lease_token) WHERE lease_token IS NOT NULL;
 """
 
 
-def create_bare_tables(bare: Bare) -> str:
+def create_bare_tables(bare: Bare, run_id: int) -> str:
     """Create the bare tables like the store's, with their FKs; return a summary."""
     bare.execute(f"""
         DROP TABLE IF EXISTS {BARE_STATE}, {BARE_DATA}, {BARE_QUEUE};
@@ -277,20 +277,25 @@ def create_bare_tables(bare: Bare) -> str:
         ALTER TABLE {BARE_DATA} ADD FOREIGN KEY (parent_run_id, parent_id)
             REFERENCES {BARE_STATE} (run_id, id) ON DELETE SET NULL;""")
     bare.execute(QUEUE)
-    return check_same_shape(bare)
+    return check_same_shape(bare, run_id)
 
 
-def _catalog(bare: Bare, table: str, as_name: str) -> list[str]:
-    lines = [row[0].replace(table, as_name) for row in bare.fetch(CATALOG, table)]
-    return sorted(re.sub(r"nextval\('[^']*'::regclass\)", "nextval(<seq>)", line)
+def _catalog(bare: Bare, table: str) -> list[str]:
+    """The table's catalog lines, with the names of the store's run partitions and of the bare
+    tables both written as the store's parent tables."""
+    lines = [row[0] for row in bare.fetch(CATALOG, table)]
+    return sorted(re.sub(r"(experience_(?:data|state))_r\d+", r"\1",
+                         re.sub(r"nextval\('[^']*'::regclass\)", "nextval(<seq>)", line))
                   .replace(BARE_DATA, "experience_data").replace(BARE_STATE, "experience_state")
                   for line in lines)
 
 
-def check_same_shape(bare: Bare) -> str:
+def check_same_shape(bare: Bare, run_id: int) -> str:
+    """The bare tables against the run's partitions, which the writer COPYs into: columns,
+    constraints (the partitions' own keys to each other included) and indexes."""
     summary = []
     for ours, theirs in (("experience_data", BARE_DATA), ("experience_state", BARE_STATE)):
-        mine, bares = _catalog(bare, ours, ours), _catalog(bare, theirs, ours)
+        mine, bares = _catalog(bare, f"{ours}_r{run_id}"), _catalog(bare, theirs)
         if mine != bares:
             diff = sorted(set(mine) ^ set(bares))
             raise SystemExit(f"{theirs} does not match {ours}:\n  " + "\n  ".join(diff))
@@ -545,7 +550,7 @@ def cleanup(bare: Bare, run: str, run_id: int) -> None:
 
 
 def run_bench(store: Store, bare: Bare, run: str, run_id: int, args) -> dict[str, list[Measure]]:
-    console.print("bare tables: " + create_bare_tables(bare))
+    console.print("bare tables: " + create_bare_tables(bare, run_id))
     started = time.perf_counter()
     calls = -(-args.write_rows // (args.write_batch_groups * args.group_size))
     pool = make_pool(run, calls * args.write_batch_groups, args.group_size, args.seed)

@@ -1,11 +1,12 @@
-"""A run's partitions: experience_data_r<id> and experience_state_r<id>, one of each per run.
+"""A run's partitions: experience_data_r<id>, experience_state_r<id> and batch_items_r<id>.
 
-Migration 0013 partitions both tables by run; the trigger `runs_add_partitions` creates a run's
-two partitions with its row (`experience_partitions_add(run id)`). Here they go: every row that
-names one of the run's experiences is deleted first (review_actions keep theirs, links
-cleared; parent links to the run's rows are cleared), since a partition that rows name cannot
-be detached; then each partition is detached and dropped, one statement a table, instead of a
-delete row by row.
+Migration 0013 partitions the experience tables by run, 0014 the ledger; the trigger
+`runs_add_partitions` creates a run's three partitions with its row
+(`experience_partitions_add(run id)`), each with a foreign key to the run's partition it names.
+Here they go: every other row that names one of the run's experiences is deleted first
+(review_actions keep theirs, links cleared; parent links to the run's rows are cleared), since a
+partition that rows name cannot be detached; then each partition is detached and dropped, one
+statement a table, instead of a delete row by row.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
-PARENTS = ("experience_state", "experience_data")  # in this order: the state names the data
+# In this order: a ledger row names a state row, a state row its data row.
+PARENTS = ("batch_items", "experience_state", "experience_data")
 UNLINK = [text(sql) for sql in (
     "DELETE FROM batch_pairs WHERE preference_id IN "
     "(SELECT id FROM preferences WHERE run_id = :run)",
-    "DELETE FROM batch_items WHERE run_id = :run",
     "DELETE FROM operator_events WHERE run_id = :run",
     "DELETE FROM reviews WHERE run_id = :run",
     "DELETE FROM preferences WHERE run_id = :run",
@@ -29,9 +30,14 @@ ADD = text("SELECT experience_partitions_add(:run)")
 DETACH_TRIES, DETACH_WAIT = 5, "1s"  # each try holds new leases back for at most DETACH_WAIT
 
 
+def name(parent: str, run_id: int) -> str:
+    """The run's partition of a partitioned table."""
+    return f"{parent}_r{int(run_id)}"
+
+
 def names(run_id: int) -> list[str]:
-    """The run's partitions, state first."""
-    return [f"{parent}_r{int(run_id)}" for parent in PARENTS]
+    """The run's partitions, each before the one it names."""
+    return [name(parent, run_id) for parent in PARENTS]
 
 
 def drop(conn: Connection, run_id: int) -> int:
@@ -40,9 +46,9 @@ def drop(conn: Connection, run_id: int) -> int:
     for statement in UNLINK:
         conn.execute(statement, {"run": run_id})
     partitions = names(run_id)
-    dropped = conn.execute(text(f"SELECT count(*) FROM {partitions[0]}")).scalar()
-    for parent, partition in zip(PARENTS, partitions):  # a detached state partition still
-        _detach(conn, parent, partition)                 # names the data parent: it goes first
+    dropped = conn.execute(text(f"SELECT count(*) FROM {partitions[1]}")).scalar()
+    for parent, partition in zip(PARENTS, partitions):
+        _detach(conn, parent, partition)
         conn.execute(text(f"DROP TABLE {partition}"))
     return dropped
 

@@ -127,7 +127,7 @@ async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status
     the groups that passed; a bad group in "raise" mode ends the data and raises here (the
     caller's transaction rolls back)."""
     raw = (await conn.get_raw_connection()).driver_connection
-    state_table, data_table = _tables(stream)
+    data_table, state_table = _tables(stream)
     await raw.copy_records_to_table(data_table, columns=COPY_DATA_COLUMNS,
                                     records=stream.data_records(ids))
     if stream.error is not None:
@@ -136,11 +136,15 @@ async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status
                                     records=stream.state_records(ids, status))
 
 
-def _tables(stream: "_Stream") -> list[str]:
-    """(state, data) tables to COPY into: the run's partitions when every row is of one run
+def _tables(stream: "_Stream") -> tuple[str, str]:
+    """(data, state) tables to COPY into: the run's partitions when every row is of one run
     (the server routes no row), else the partitioned tables."""
     run_ids = {group.run_id for group in stream.admitted}
-    return partitions.names(run_ids.pop()) if len(run_ids) == 1 else list(partitions.PARENTS)
+    tables = ("experience_data", "experience_state")
+    if len(run_ids) != 1:
+        return tables
+    run_id = run_ids.pop()
+    return partitions.name(tables[0], run_id), partitions.name(tables[1], run_id)
 
 
 @dataclass(frozen=True)
