@@ -269,3 +269,54 @@ def test_a_populated_store_moves_into_partitions_by_run_and_back(new_database, e
         again = [dict(row) for row in conn.execute(text(read)).mappings()]
         items = conn.execute(text("SELECT experience_id FROM batch_items")).scalars().all()
     assert again == before and items == [1]
+
+
+PARTITION_KEYS = """
+SELECT conrelid::regclass::text, confrelid::regclass::text FROM pg_constraint
+WHERE contype = 'f' AND conrelid::regclass::text ~ '_r[0-9]+$' AND conparentid = 0
+ORDER BY 1
+"""
+
+
+def test_keys_name_the_run_s_partitions_and_the_ledger_moves_into_them(new_database, engines):
+    """Migration 0014 on a populated store: each run's state partition references its data
+    partition and its ledger partition its state partition (plain tables, not the partitioned
+    parents); the ledger rows move into the runs' partitions; the keys refuse what the parent
+    keys refused; the downgrade gives the ledger back."""
+    engine = engines(new_database())
+    migrate.upgrade(engine, "0012")
+    with engine.begin() as conn:
+        conn.execute(text(POPULATED_0012))
+    migrate.upgrade(engine, "0014")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (3, 'three')"))
+    with engine.connect() as conn:
+        keys = conn.execute(text(PARTITION_KEYS)).all()
+        on_parents = conn.execute(text(
+            "SELECT conname FROM pg_constraint WHERE contype = 'f' AND conrelid IN "
+            "('experience_state'::regclass, 'batch_items'::regclass) AND confrelid IN "
+            "('experience_data'::regclass, 'experience_state'::regclass)")).scalars().all()
+        ledger = conn.execute(text("SELECT tableoid::regclass::text, train_step_id, "
+                                   "experience_id, run_id FROM batch_items")).all()
+    assert keys == [(f"{table}_r{run}", f"{target}_r{run}") for table, target in
+                    (("batch_items", "experience_state"), ("experience_state", "experience_data"))
+                    for run in (1, 2, 3)] == sorted(keys)
+    assert on_parents == [] and ledger == [("batch_items_r1", 1, 1, 1)]
+    with pytest.raises(Exception, match="batch_items_r1_experience_id_fkey"):
+        with engine.begin() as conn:  # experience 4 is of run 2, not 1
+            conn.execute(text("INSERT INTO batch_items (train_step_id, run_id, experience_id, "
+                              "policy_version) VALUES (1, 1, 4, 0)"))
+    with pytest.raises(Exception, match="experience_state_r2_data"):
+        with engine.begin() as conn:  # a state row with no data row
+            conn.execute(text("INSERT INTO experience_state (id, run_id, group_id, group_row, "
+                              "policy_version) VALUES (99, 2, md5('z')::uuid, 0, 0)"))
+    with engine.begin() as conn:  # deleting an experience takes its ledger row with it
+        conn.execute(text("DELETE FROM experiences WHERE id = 1"))
+        assert conn.execute(text("SELECT count(*) FROM batch_items")).scalar() == 0
+        conn.rollback()
+    migrate.downgrade(engine, "0013")
+    with engine.connect() as conn:
+        assert conn.execute(text(PARTITION_KEYS)).all() == []
+        assert conn.execute(text("SELECT train_step_id, experience_id, run_id FROM batch_items")
+                            ).all() == [(1, 1, 1)]
+    migrate.downgrade(engine, "0012")
