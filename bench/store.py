@@ -10,8 +10,10 @@ What is compared (rows/s, and the ratio Reservoir / bare; the target is >= 0.8 f
     `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING ...`, one statement
     (one transaction) per batch, returning the columns the sampler returns, on a queue table of
     one wide row per experience (the store's layout before migration 0012: data and state in
-    one row, with that table's indexes). A third line, the lease part of the same loop timed on
-    its own, shows how much the step commit (which the bare loop does not do) costs.
+    one row, with that table's indexes). Two diagnostic lines: the lease part of the same loop
+    timed on its own, and lease+commit against a bare loop that also commits what a step
+    commit writes (the rows consumed, a step row, one ledger row per row with its two keys, in
+    one statement), on a second queue of its own.
 (c) scaling: 1, 2 and 4 writer processes at once, each writing its own rows through
     `Store.write_groups` or the bare COPY; rows/s of all of them together, and the ratio.
 
@@ -26,8 +28,8 @@ Why it is fair:
   driver and server cost alone; Reservoir's validation and encoding count against Reservoir.
 - The bare lease filters on `run_id` and `status = 'ready'` and orders by id, like the
   sampler's FIFO lease of rows, so the same indexes can serve both; the plans are printed.
-- The sides alternate which goes first in every repeat, and every lease repeat starts with both
-  tables holding the same number of ready rows; the figure reported is the median of repeats.
+- The sides take turns going first (the three lease loops rotate), and the lease tables start
+  with the same number of ready rows; the figure reported is the median of repeats.
 
     python bench/store.py --url postgresql://postgres@127.0.0.1:5432/bench_store
     python bench/store.py            # embedded server under ./.reservoir/pg
@@ -65,6 +67,11 @@ from reservoir.store.writer import COPY_DATA_COLUMNS, COPY_STATE_COLUMNS
 
 BARE_DATA, BARE_STATE = "bench_bare_data", "bench_bare_state"
 BARE_QUEUE = "bench_bare_queue"  # one wide row per experience: the layout before 0012
+# A second queue like the first, with a step table and a ledger keyed to both: the bare loop
+# that also commits (diagnostic), kept apart so that neither queue's leases age the other.
+BARE_LEDGER_QUEUE, BARE_STEPS, BARE_ITEMS = ("bench_bare_ledger_queue", "bench_bare_steps",
+                                             "bench_bare_items")
+QUEUES = (BARE_QUEUE, BARE_LEDGER_QUEUE)
 TOKENS = 256
 VOCAB = 32_000
 TARGET = 0.8
@@ -165,11 +172,27 @@ QUEUE_COLUMNS = COPY_DATA_COLUMNS + COPY_STATE_COLUMNS[2:]
 
 
 class Bare:
-    LEASE = (f"UPDATE {BARE_QUEUE} SET status = 'leased', lease_token = {{token}}, "
-             f"leased_until = now() + make_interval(secs => {{seconds}}) "
-             f"WHERE id IN (SELECT id FROM {BARE_QUEUE} WHERE run_id = {{run_id}} "
-             f"AND status = 'ready' ORDER BY created_at, id LIMIT {{batch}} "
+    LEASE = ("UPDATE {queue} SET status = 'leased', lease_token = {token}, "
+             "leased_until = now() + make_interval(secs => {seconds}) "
+             "WHERE id IN (SELECT id FROM {queue} WHERE run_id = {run_id} "
+             "AND status = 'ready' ORDER BY created_at, id LIMIT {batch} "
              f"FOR UPDATE SKIP LOCKED) RETURNING {RETURNED}")
+    # What Reservoir's step commit does, in one statement: the leased rows become consumed, a
+    # step row is inserted and one ledger row per row names both.
+    COMMIT = f"""
+        WITH consumed AS (
+            UPDATE {BARE_LEDGER_QUEUE} SET status = 'consumed', times_sampled = times_sampled + 1,
+                lease_token = NULL, leased_until = NULL
+            WHERE lease_token = $1 RETURNING id, run_id
+        ), step AS (
+            INSERT INTO {BARE_STEPS} (run_id, step, policy_version, n_experiences)
+            VALUES ($2, $3, 0, $4) RETURNING id
+        ), items AS (
+            INSERT INTO {BARE_ITEMS} (train_step_id, experience_id, run_id, policy_version)
+            SELECT step.id, consumed.id, consumed.run_id, 0 FROM consumed CROSS JOIN step
+            RETURNING 1
+        )
+        SELECT count(*) FROM items"""
 
     def __init__(self, url: str) -> None:
         self.loop = asyncio.new_event_loop()
@@ -199,22 +222,30 @@ class Bare:
                     BARE_STATE, records=state[i:i + rows_per_call], columns=COPY_STATE_COLUMNS)
         return time.perf_counter() - start
 
-    def copy_queue(self, records: tuple[list, list]) -> None:
-        """The same rows into the one-table queue (for the lease baseline; untimed)."""
+    def copy_queue(self, queue: str, records: tuple[list, list]) -> None:
+        """The same rows into a one-table queue (for the lease baselines; untimed)."""
         rows = [d + s[2:] for d, s in zip(*records)]
-        self.run(self.conn.copy_records_to_table(BARE_QUEUE, records=rows,
-                                                 columns=QUEUE_COLUMNS))
+        self.run(self.conn.copy_records_to_table(queue, records=rows, columns=QUEUE_COLUMNS))
 
-    def lease(self, run_id: int, batches: int, batch: int, lease_seconds: float) -> list[float]:
-        return self.run(self._lease(run_id, batches, batch, lease_seconds))
+    def lease(self, run_id: int, batches: int, batch: int, lease_seconds: float,
+              steps=None) -> list[tuple[float, float]]:
+        """Lease `batches` batches (and commit each as a step, given `steps`, a counter);
+        per batch (lease seconds, lease+commit seconds)."""
+        return self.run(self._lease(run_id, batches, batch, lease_seconds, steps))
 
-    async def _lease(self, run_id, batches, batch, lease_seconds) -> list[float]:
-        sql = self.LEASE.format(token="$1", run_id="$2", batch="$3", seconds="$4")
+    async def _lease(self, run_id, batches, batch, lease_seconds, steps) -> list[tuple]:
+        queue = BARE_QUEUE if steps is None else BARE_LEDGER_QUEUE
+        sql = self.LEASE.format(queue=queue, token="$1", run_id="$2", batch="$3", seconds="$4")
         times = []
         for _ in range(batches):
             start = time.perf_counter()
-            rows = await self.conn.fetch(sql, uuid.uuid4(), run_id, batch, lease_seconds)
-            times.append(time.perf_counter() - start)
+            token = uuid.uuid4()
+            rows = await self.conn.fetch(sql, token, run_id, batch, lease_seconds)
+            leased = time.perf_counter()
+            if steps is not None and await self.conn.fetchval(
+                    self.COMMIT, token, run_id, next(steps), batch) != batch:
+                raise RuntimeError("bare commit consumed fewer rows than it leased")
+            times.append((leased - start, time.perf_counter() - start))
             if len(rows) != batch:
                 raise RuntimeError(f"bare lease returned {len(rows)} of {batch} rows")
         return times
@@ -244,29 +275,46 @@ SELECT 'index unique=' || indisunique || ' ' || regexp_replace(pg_get_indexdef(i
 """
 # The one-table queue: the data columns plus the state columns, keyed by id alone, with the
 # indexes the experiences table had before migrations 0012 and 0013.
-QUEUE = f"""
-CREATE TABLE {BARE_QUEUE} (LIKE experience_data INCLUDING ALL EXCLUDING INDEXES,
+QUEUE = """
+CREATE TABLE {queue} (LIKE experience_data INCLUDING ALL EXCLUDING INDEXES,
     PRIMARY KEY (id),
     group_id uuid NOT NULL, group_row smallint NOT NULL, policy_version integer NOT NULL,
     status text NOT NULL DEFAULT 'ready', priority float8 NOT NULL DEFAULT 0,
     times_sampled integer NOT NULL DEFAULT 0, lease_token uuid, leased_until timestamptz,
     created_at timestamptz NOT NULL DEFAULT now(),
     CHECK ((status = 'leased') = (lease_token IS NOT NULL)));
-CREATE INDEX ON {BARE_QUEUE} (task_id);
-CREATE INDEX ON {BARE_QUEUE} (parent_id) WHERE parent_id IS NOT NULL;
-CREATE INDEX ON {BARE_QUEUE} (run_id, created_at, id) WHERE status = 'ready';
-CREATE INDEX ON {BARE_QUEUE} (run_id, priority DESC, id) WHERE status = 'ready';
-CREATE INDEX ON {BARE_QUEUE} (leased_until) WHERE status = 'leased';
-CREATE UNIQUE INDEX ON {BARE_QUEUE} (group_id, group_row);
-CREATE INDEX ON {BARE_QUEUE} (run_id, status);
-CREATE INDEX ON {BARE_QUEUE} (lease_token) WHERE lease_token IS NOT NULL;
+CREATE INDEX ON {queue} (task_id);
+CREATE INDEX ON {queue} (parent_id) WHERE parent_id IS NOT NULL;
+CREATE INDEX ON {queue} (run_id, created_at, id) WHERE status = 'ready';
+CREATE INDEX ON {queue} (run_id, priority DESC, id) WHERE status = 'ready';
+CREATE INDEX ON {queue} (leased_until) WHERE status = 'leased';
+CREATE UNIQUE INDEX ON {queue} (group_id, group_row);
+CREATE INDEX ON {queue} (run_id, status);
+CREATE INDEX ON {queue} (lease_token) WHERE lease_token IS NOT NULL;
+"""
+
+
+# The bare ledger: train_steps' columns a commit fills and batch_items' with their keys (the
+# experience key names the queue, a plain table, as the store's names the run's state partition).
+LEDGER = f"""
+CREATE TABLE {BARE_STEPS} (id bigserial PRIMARY KEY,
+    run_id bigint NOT NULL REFERENCES runs (id) ON DELETE CASCADE, step integer NOT NULL,
+    policy_version integer NOT NULL, n_experiences integer NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(), UNIQUE (run_id, step));
+CREATE TABLE {BARE_ITEMS} (
+    train_step_id bigint NOT NULL REFERENCES {BARE_STEPS} (id) ON DELETE CASCADE,
+    experience_id bigint NOT NULL REFERENCES {BARE_LEDGER_QUEUE} (id) ON DELETE CASCADE,
+    policy_version integer NOT NULL, weight float8 NOT NULL DEFAULT 1, run_id bigint NOT NULL,
+    PRIMARY KEY (train_step_id, experience_id, run_id));
+CREATE INDEX ON {BARE_ITEMS} (experience_id);
 """
 
 
 def create_bare_tables(bare: Bare, run_id: int) -> str:
     """Create the bare tables like the store's, with their FKs; return a summary."""
     bare.execute(f"""
-        DROP TABLE IF EXISTS {BARE_STATE}, {BARE_DATA}, {BARE_QUEUE};
+        DROP TABLE IF EXISTS {BARE_STATE}, {BARE_DATA}, {BARE_ITEMS}, {BARE_STEPS},
+            {BARE_QUEUE}, {BARE_LEDGER_QUEUE};
         CREATE TABLE {BARE_DATA} (LIKE experience_data INCLUDING ALL,
             FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE,
             FOREIGN KEY (task_id) REFERENCES tasks (id) ON DELETE SET NULL);
@@ -276,7 +324,9 @@ def create_bare_tables(bare: Bare, run_id: int) -> str:
             FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE);
         ALTER TABLE {BARE_DATA} ADD FOREIGN KEY (parent_run_id, parent_id)
             REFERENCES {BARE_STATE} (run_id, id) ON DELETE SET NULL;""")
-    bare.execute(QUEUE)
+    for queue in QUEUES:
+        bare.execute(QUEUE.format(queue=queue))
+    bare.execute(LEDGER)
     return check_same_shape(bare, run_id)
 
 
@@ -374,11 +424,13 @@ def measure_writes(store: Store, bare: Bare, pool: Pool, run_id: int, args) -> l
 
 
 def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dict:
-    """Lease+commit against the bare loop; the lease part alone is kept as a third measure."""
+    """Lease+commit against the bare loop (the target), the lease part alone against it, and
+    lease+commit against a bare loop that commits the same step and ledger rows."""
     ours = Measure("reservoir")
     lease_part = Measure("reservoir (lease part)")
     theirs = Measure("bare UPDATE..RETURNING, one-table queue")
-    rows, steps = args.lease_batches * args.batch, count(1)
+    theirs_committed = Measure("bare UPDATE..RETURNING + step and ledger rows")
+    rows, steps, bare_steps = args.lease_batches * args.batch, count(1), count(1)
 
     def reservoir_side():
         times = timed_leases(store, run, args.lease_batches, args.batch, steps)
@@ -387,19 +439,28 @@ def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dic
 
     def bare_side():
         times = bare.lease(run_id, args.lease_batches, args.batch, store.flow.lease_seconds)
-        theirs.add(rows, sum(times), times)
+        theirs.add(rows, sum(t for _, t in times), [t for _, t in times])
 
+    def bare_committing_side():
+        times = bare.lease(run_id, args.lease_batches, args.batch, store.flow.lease_seconds,
+                           bare_steps)
+        theirs_committed.add(rows, sum(t for _, t in times), [t for _, t in times])
+
+    sides = [reservoir_side, bare_side, bare_committing_side]
     for r in range(args.repeat):
-        for side in (reservoir_side, bare_side) if r % 2 == 0 else (bare_side, reservoir_side):
+        for side in sides[r % 3:] + sides[:r % 3]:  # each goes first once in three repeats
             side()
         console.print(f"  lease repeat {r + 1}: reservoir lease+commit {ours.rates[-1]:,.0f} "
                       f"rows/s (lease part {lease_part.rates[-1]:,.0f}), bare "
-                      f"{theirs.rates[-1]:,.0f} rows/s")
-    return {"lease+commit": [ours, theirs], "lease only": [lease_part, theirs]}
+                      f"{theirs.rates[-1]:,.0f} rows/s, bare with step and ledger "
+                      f"{theirs_committed.rates[-1]:,.0f} rows/s")
+    return {"lease+commit": [ours, theirs], "lease only": [lease_part, theirs],
+            "lease+commit, same ledger": [ours, theirs_committed]}
 
 
 def fill(store: Store, bare: Bare, pool: Pool, run_id: int, target: int, args) -> int:
-    """Write through both sides, one call each in turn, until each holds `target` ready rows."""
+    """Write through Reservoir and into both bare queues, one call each in turn, until each
+    holds `target` ready rows."""
     have = bare.fetch(f"SELECT count(*) FROM {BARE_QUEUE} WHERE run_id = $1 "
                       "AND status = 'ready'", run_id)[0][0]
     per_call = args.write_batch_groups * args.group_size
@@ -410,21 +471,22 @@ def fill(store: Store, bare: Bare, pool: Pool, run_id: int, target: int, args) -
                TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         ours = progress.add_task("fill: Reservoir writer", total=calls * per_call)
-        theirs = progress.add_task("fill: bare queue", total=calls * per_call)
+        theirs = progress.add_task("fill: bare queues", total=calls * per_call)
         ids = count(10**9)
         for call in range(calls):
             start = call * args.write_batch_groups % len(pool.groups)
             stop = start + args.write_batch_groups
             store.write_groups(pool.groups[start:stop])
             progress.advance(ours, per_call)
-            bare.copy_queue(pool.records(run_id, start, stop, ids))
+            for queue in QUEUES:
+                bare.copy_queue(queue, pool.records(run_id, start, stop, ids))
             progress.advance(theirs, per_call)
     return have + calls * per_call
 
 
 def settle(bare: Bare) -> None:
     """Same starting state for both tables: visibility map set, planner statistics fresh."""
-    for table in ("experience_data", "experience_state", BARE_QUEUE):
+    for table in ("experience_data", "experience_state") + QUEUES:
         bare.execute(f"VACUUM (ANALYZE, PROCESS_TOAST FALSE) {table}")
 
 
@@ -470,7 +532,8 @@ def plan_lines(bare: Bare, store: Store, run_id: int, batch: int) -> list[str]:
                                      compile_kwargs={"literal_binds": True}))
     sql = {
         "reservoir lease": reservoir_sql,
-        "bare lease": Bare.LEASE.format(token=f"'{uuid.uuid4()}'", run_id=run_id, batch=batch,
+        "bare lease": Bare.LEASE.format(queue=BARE_QUEUE, token=f"'{uuid.uuid4()}'",
+                                        run_id=run_id, batch=batch,
                                         seconds=store.flow.lease_seconds),
         "commit_step's rows (by lease_token)": "SELECT id FROM experience_state WHERE "
                                                f"lease_token = '{uuid.uuid4()}'",
@@ -532,14 +595,16 @@ notes: the bare COPY's rows were encoded (bytes, JSON text) before timing and it
   validation, encoding and id draw are timed. The bare lease is one UPDATE .. RETURNING per
   batch (its own transaction) on a one-table queue (each lease rewrites the wide row) and
   commits no step; Reservoir's lease+commit rewrites the narrow state row twice and writes
-  the step and one ledger row per experience. Scaling: each writer is a process of its own
+  the step and one ledger row per experience. "same ledger" is a bare loop that commits
+  those too, in a second transaction a batch like Reservoir's. Scaling: each writer is a process of its own
   with its own connection; rows/s is all rows over the time from the first start to the last
   end."""
 
 
 def cleanup(bare: Bare, run: str, run_id: int) -> None:
     start = time.perf_counter()
-    bare.execute(f"DROP TABLE IF EXISTS {BARE_STATE}, {BARE_DATA}, {BARE_QUEUE}")
+    bare.execute(f"DROP TABLE IF EXISTS {BARE_STATE}, {BARE_DATA}, {BARE_ITEMS}, {BARE_STEPS}, "
+                 f"{', '.join(QUEUES)}")
     rows = bare.fetch("SELECT count(*) FROM experience_state WHERE run_id = $1", run_id)[0][0]
     bare.execute("DELETE FROM runs WHERE name = $1", run)
     console.print(f"clean-up: dropped the bare tables, deleted run {run} and its {rows:,} "

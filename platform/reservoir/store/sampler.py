@@ -128,25 +128,35 @@ STATE_RETURNED = (e.c.id, e.c.run_id, e.c.group_id, e.c.policy_version, e.c.time
                   e.c.leased_until)
 
 
-def _returned(leased):
+def _returned(leased, group_rows):
     """The columns a lease carries, from the leased state rows (a CTE) and their data rows."""
     return (leased.c.id, leased.c.run_id, d.c.task_id, leased.c.group_id, leased.c.policy_version,
             d.c.reward, d.c.reward_components.cast(Text).label("reward_components"),
             leased.c.times_sampled, d.c.prompt_ids, d.c.response_ids, d.c.logprobs,
-            d.c.action_mask, d.c.shaped_reward,
-            select(func.count()).where(_mates.c.group_id == leased.c.group_id,
-                                       _mates.c.run_id == leased.c.run_id)
-            .scalar_subquery().label("group_rows"), leased.c.leased_until)
+            d.c.action_mask, d.c.shaped_reward, group_rows.label("group_rows"),
+            leased.c.leased_until)
+
+
+def _group_rows(rows):
+    """How many rows the group of each of `rows` has in the store, whatever their status."""
+    return (select(func.count()).where(_mates.c.group_id == rows.c.group_id,
+                                       _mates.c.run_id == rows.c.run_id).scalar_subquery())
 
 
 def _with_data(leased):
-    """Statement: the leased rows joined to their data, with the sampled counter updated."""
-    return (select(*_returned(leased)).join_from(leased, d, and_(d.c.run_id == leased.c.run_id,
-                                                                 d.c.id == leased.c.id))
+    """Statement: the leased rows joined to their data and to their groups' sizes (counted
+    once a group: a lease of 256 rows holds ~32 groups), with the sampled counter updated."""
+    groups = select(leased.c.run_id, leased.c.group_id).distinct().cte("leased_groups")
+    sizes = (select(groups.c.run_id, groups.c.group_id, _group_rows(groups).label("n"))
+             .cte("sizes").prefix_with("MATERIALIZED"))  # else inlined: a count a row again
+    return (select(*_returned(leased, sizes.c.n))
+            .join_from(leased, d, and_(d.c.run_id == leased.c.run_id, d.c.id == leased.c.id))
+            .join(sizes, and_(sizes.c.run_id == leased.c.run_id,
+                              sizes.c.group_id == leased.c.group_id))
             .add_cte(count_sampled(leased, 1)))
 
 
-RETURNED = _returned(e)
+RETURNED = _returned(e, _group_rows(e))
 FIELDS = len(RETURNED) - 1  # what a LeasedExperience holds (all but leased_until)
 
 
