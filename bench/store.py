@@ -62,6 +62,7 @@ from sqlalchemy.engine import make_url
 from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
 from reservoir.store import Experience, Store, codec
 from reservoir.store.engine import redact
+from reservoir.store.runs import delete_run
 from reservoir.store.sampler import lease_statement
 from reservoir.store.writer import COPY_DATA_COLUMNS, COPY_STATE_COLUMNS
 
@@ -601,12 +602,13 @@ notes: the bare COPY's rows were encoded (bytes, JSON text) before timing and it
   end."""
 
 
-def cleanup(bare: Bare, run: str, run_id: int) -> None:
+def cleanup(store: Store, bare: Bare, run: str, run_id: int) -> None:
     start = time.perf_counter()
     bare.execute(f"DROP TABLE IF EXISTS {BARE_STATE}, {BARE_DATA}, {BARE_ITEMS}, {BARE_STEPS}, "
                  f"{', '.join(QUEUES)}")
     rows = bare.fetch("SELECT count(*) FROM experience_state WHERE run_id = $1", run_id)[0][0]
-    bare.execute("DELETE FROM runs WHERE name = $1", run)
+    with store.engine.begin() as conn:  # the run's partitions are dropped, not its rows deleted
+        delete_run(conn, run)
     console.print(f"clean-up: dropped the bare tables, deleted run {run} and its {rows:,} "
                   f"experiences in {time.perf_counter() - start:.1f}s")
 
@@ -710,7 +712,7 @@ def main() -> None:
         if args.keep:
             console.print(f"kept run {run} and the bare tables")
         else:
-            cleanup(bare, run, run_id)
+            cleanup(store, bare, run, run_id)
         bare.close()
         store.close()
 

@@ -13,12 +13,12 @@ An archive is a folder with one Parquet file per table and `manifest.json`:
 | batch_pairs     | those pairs' ledger rows                                 |
 | review_actions  | actions that name one of those experiences, reviews or pairs |
 
-Once the files are durable, the rows of the last six tables are deleted, `review_actions` rows
-stay in the store with their links set NULL (the archive keeps them whole and a restore sets the
-links back; an action deleted meanwhile comes back too), and parent links to the run's rows are
-cleared. Then the run's experiences leave in one statement: its two partitions (of
-experience_data and experience_state) are detached and dropped, and empty ones take their place
-for a restore. Rows of other runs whose parent is an archived experience lose that link for
+Once the files are durable, the rows of operator_events, reviews, preferences and batch_pairs
+are deleted, `review_actions` rows stay in the store with their links set NULL (the archive
+keeps them whole and a restore sets the links back; an action deleted meanwhile comes back too),
+and parent links to the run's rows are cleared. Then the run's ledger and experiences leave in
+one statement a table: its three partitions (of batch_items, experience_state and
+experience_data) are detached and dropped, and empty ones take their place for a restore. Rows of other runs whose parent is an archived experience lose that link for
 good: the manifest counts them (`links_lost`).
 
 Columns are read from the database (a table's or the view's), never assumed; values keep their

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Literal, Sequence
 
 import asyncpg
-from sqlalchemy import select, text
+from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -36,11 +36,27 @@ from reservoir.store.flow import RateLimit
 from reservoir.store.notify import AsyncWake, rows_channel
 from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
                                      shape_group, values_ok)
-from reservoir.store.schema import experience_state
 
 COPY_DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS + ("parent_run_id",)
 COPY_STATE_COLUMNS = ("id", "run_id", "group_id", "group_row", "policy_version", "status")
-NEXT_IDS = text("SELECT nextval('experience_data_id_seq') FROM generate_series(1, :n)")
+# One round trip before the COPY: the runs by name, which of the group ids are taken, the
+# parents' runs, and an id for every row offered (the rows of groups refused then leave gaps in
+# the sequence, as a rolled-back insert does). Arrays travel as text[]: asyncpg looks up the
+# type of any other array parameter on each new connection (~18 ms).
+LOOKUP = text("""
+WITH named AS (SELECT id, name, group_size FROM runs WHERE name = ANY(CAST(:names AS text[]))),
+parents AS (SELECT id, run_id FROM experience_state
+            WHERE id = ANY(CAST(CAST(:parents AS text[]) AS bigint[])))
+SELECT ARRAY(SELECT name FROM named ORDER BY id) AS names,
+       ARRAY(SELECT id FROM named ORDER BY id) AS run_ids,
+       ARRAY(SELECT group_size FROM named ORDER BY id) AS group_sizes,
+       ARRAY(SELECT DISTINCT CAST(group_id AS text) FROM experience_state
+             WHERE group_id = ANY(CAST(CAST(:groups AS text[]) AS uuid[])) AND group_row = 0)
+           AS taken,
+       ARRAY(SELECT id FROM parents ORDER BY id) AS parent_ids,
+       ARRAY(SELECT run_id FROM parents ORDER BY id) AS parent_runs,
+       ARRAY(SELECT nextval('experience_data_id_seq') FROM generate_series(1, :n)) AS ids
+""")
 WRITABLE = ("raw", "ready")
 
 
@@ -92,16 +108,15 @@ async def write_groups(
         await _wait_for_room(engine, await _rows_per_run(engine, groups), flow)
     try:
         async with engine.begin() as conn:  # one connection: lookups, ids, rows, counters
-            run_info, existing, parent_runs = await _lookup(
+            run_info, existing, parent_runs, ids = await _lookup(
                 conn, sorted({head.run for head in heads if isinstance(head.run, str)}),
                 sorted({head.group_id for head in heads if isinstance(head.group_id, uuid.UUID)}),
-                parents)
+                parents, sum(len(group) for group in groups if isinstance(group, Sequence)
+                             and group and isinstance(group[0], Experience)))
             admitted = _admitted_groups(groups, run_info, existing, parent_runs, on_invalid,
                                         result)
             if not admitted:
                 return result
-            ids = (await conn.execute(NEXT_IDS, {"n": sum(len(g.rows) for g in admitted)})
-                   ).scalars().all()
             if before_copy is not None:
                 await before_copy(conn)
             stream = _Stream(admitted, parent_runs, on_invalid, result)
@@ -269,21 +284,18 @@ def _is_id(value) -> bool:
 
 
 async def _lookup(conn: AsyncConnection, names: list[str], group_ids: list[uuid.UUID],
-                  parents: list[int]):
+                  parents: list[int], rows: int):
     """The runs by name ({name: (id, group size)}), which of the given group ids already
-    exist, and the parents' runs ({experience id: run id})."""
-    rows = (await conn.execute(runs.lookup(names))).all() if names else []
-    taken = (await conn.execute(existing_groups(group_ids))).scalars().all() if group_ids else []
-    parent_runs = dict((await conn.execute(
-        select(experience_state.c.id, experience_state.c.run_id)
-        .where(experience_state.c.id.in_(parents)))).all()) if parents else {}
-    return {row.name: (row.id, row.group_size) for row in rows}, set(taken), parent_runs
-
-
-def existing_groups(group_ids: list[uuid.UUID]):
-    """Statement: which of these group ids have rows (the unique index answers it)."""
-    return (select(experience_state.c.group_id).distinct()
-            .where(experience_state.c.group_id.in_(group_ids), experience_state.c.group_row == 0))
+    exist, the parents' runs ({experience id: run id}) and `rows` new ids, in one statement."""
+    if not names:
+        return {}, set(), {}, []
+    found = (await conn.execute(LOOKUP, {
+        "names": names, "groups": [str(group) for group in group_ids],
+        "parents": [str(parent) for parent in parents], "n": rows})).one()
+    run_info = {name: (run_id, size)
+                for name, run_id, size in zip(found.names, found.run_ids, found.group_sizes)}
+    return (run_info, {uuid.UUID(group) for group in found.taken},
+            dict(zip(found.parent_ids, found.parent_runs)), found.ids)
 
 
 def _admit(group: Sequence[Experience], index: int,
