@@ -28,8 +28,12 @@ Why it is fair:
   driver and server cost alone; Reservoir's validation and encoding count against Reservoir.
 - The bare lease filters on `run_id` and `status = 'ready'` and orders by id, like the
   sampler's FIFO lease of rows, so the same indexes can serve both; the plans are printed.
-- The sides take turns going first (the three lease loops rotate), and the lease tables start
-  with the same number of ready rows; the figure reported is the median of repeats.
+- The sides take turns call by call: a write call of Reservoir, then one of the bare COPY (the
+  order flips every call), and a lease batch of each lease loop in turn, so that both sides
+  see the machine in the same state; the lease tables start with the same number of ready rows. Rows/s are medians of repeats; a ratio is the median of
+  the repeats' own ratios (each compares two runs minutes apart, so the machine's speed, which
+  drifts by tens of percent here, moves both), printed with their range and with the ratio of
+  the medians.
 
     python bench/store.py --url postgresql://postgres@127.0.0.1:5432/bench_store
     python bench/store.py            # embedded server under ./.reservoir/pg
@@ -378,9 +382,21 @@ class Measure:
     rates: list[float] = field(default_factory=list)
     batch_ms: list[float] = field(default_factory=list)
 
+    repeat_seconds: float = 0.0
+
     def add(self, rows: int, seconds: float, batch_times: list[float] | None = None) -> None:
         self.rates.append(rows / seconds)
         self.batch_ms.extend(t * 1000 for t in batch_times or [])
+
+    def start_repeat(self) -> None:
+        self.repeat_seconds = 0.0
+
+    def add_batch(self, seconds: float) -> None:
+        self.repeat_seconds += seconds
+        self.batch_ms.append(seconds * 1000)
+
+    def end_repeat(self, rows: int) -> None:
+        self.rates.append(rows / self.repeat_seconds)
 
     @property
     def rate(self) -> float:
@@ -413,12 +429,18 @@ def measure_writes(store: Store, bare: Bare, pool: Pool, run_id: int, args) -> l
     rows = len(pool.groups) * args.group_size
     per_call = args.write_batch_groups * args.group_size
     ids = count(1)
+    step = args.write_batch_groups
     for r in range(args.repeat):
-        records = pool.records(run_id, 0, len(pool.groups), ids)  # untimed: the baseline's input
-        sides = [lambda: ours.add(rows, timed_writes(store, pool.groups, args.write_batch_groups)),
-                 lambda: theirs.add(rows, bare.copy(records, per_call))]
-        for side in sides if r % 2 == 0 else sides[::-1]:
-            side()
+        data, state = pool.records(run_id, 0, len(pool.groups), ids)  # untimed: the baseline's input
+        seconds = [0.0, 0.0]
+        for call, start in enumerate(range(0, len(pool.groups), step)):  # the sides take turns
+            rows_of = slice(start * args.group_size, (start + step) * args.group_size)
+            sides = [(0, lambda: timed_writes(store, pool.groups[start:start + step], step)),
+                     (1, lambda: bare.copy((data[rows_of], state[rows_of]), per_call))]
+            for side, write in sides if (call + r) % 2 == 0 else sides[::-1]:
+                seconds[side] += write()
+        ours.add(rows, seconds[0])
+        theirs.add(rows, seconds[1])
         console.print(f"  write repeat {r + 1}: reservoir {ours.rates[-1]:,.0f} rows/s, "
                       f"bare COPY {theirs.rates[-1]:,.0f} rows/s")
     return [ours, theirs]
@@ -434,23 +456,28 @@ def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dic
     rows, steps, bare_steps = args.lease_batches * args.batch, count(1), count(1)
 
     def reservoir_side():
-        times = timed_leases(store, run, args.lease_batches, args.batch, steps)
-        ours.add(rows, sum(t for _, t in times), [t for _, t in times])
-        lease_part.add(rows, sum(t for t, _ in times), [t for t, _ in times])
+        [(lease, total)] = timed_leases(store, run, 1, args.batch, steps)
+        ours.add_batch(total)
+        lease_part.add_batch(lease)
 
     def bare_side():
-        times = bare.lease(run_id, args.lease_batches, args.batch, store.flow.lease_seconds)
-        theirs.add(rows, sum(t for _, t in times), [t for _, t in times])
+        [(_, total)] = bare.lease(run_id, 1, args.batch, store.flow.lease_seconds)
+        theirs.add_batch(total)
 
     def bare_committing_side():
-        times = bare.lease(run_id, args.lease_batches, args.batch, store.flow.lease_seconds,
-                           bare_steps)
-        theirs_committed.add(rows, sum(t for _, t in times), [t for _, t in times])
+        [(_, total)] = bare.lease(run_id, 1, args.batch, store.flow.lease_seconds, bare_steps)
+        theirs_committed.add_batch(total)
 
     sides = [reservoir_side, bare_side, bare_committing_side]
     for r in range(args.repeat):
-        for side in sides[r % 3:] + sides[:r % 3]:  # each goes first once in three repeats
-            side()
+        for measure in (ours, lease_part, theirs, theirs_committed):
+            measure.start_repeat()
+        for batch in range(args.lease_batches):  # the three loops take turns, batch by batch
+            turn = (batch + r) % 3
+            for side in sides[turn:] + sides[:turn]:
+                side()
+        for measure in (ours, lease_part, theirs, theirs_committed):
+            measure.end_repeat(rows)
         console.print(f"  lease repeat {r + 1}: reservoir lease+commit {ours.rates[-1]:,.0f} "
                       f"rows/s (lease part {lease_part.rates[-1]:,.0f}), bare "
                       f"{theirs.rates[-1]:,.0f} rows/s, bare with step and ledger "
@@ -565,10 +592,17 @@ def _percentile(values: list[float], q: float) -> str:
     return f"{np.percentile(values, q):.1f}" if values else "-"
 
 
+def paired_ratios(ours: Measure, theirs: Measure) -> list[float]:
+    """Reservoir / bare within each repeat: the two sides ran minutes apart at most, so a
+    machine that speeds up or slows down between repeats moves both."""
+    return [o / t for o, t in zip(ours.rates, theirs.rates)]
+
+
 def report(pairs: dict[str, list[Measure]], args) -> None:
-    table = Table(title=f"Reservoir vs bare asyncpg, rows/s (median of {args.repeat} repeats)")
+    table = Table(title=f"Reservoir vs bare asyncpg, rows/s (median of {args.repeat} repeats; "
+                        "ratio: median of the repeats' ratios, and their range)")
     for name in ("measurement", "side", "median rows/s", "per repeat", "ms/batch p50",
-                 "ms/batch p99", "ratio"):
+                 "ms/batch p99", "ratio", "range"):
         table.add_column(name, justify="left" if name in ("measurement", "side") else "right")
     shown = set()
     for what, (ours, theirs) in pairs.items():
@@ -576,14 +610,18 @@ def report(pairs: dict[str, list[Measure]], args) -> None:
             if id(m) in shown:
                 continue
             shown.add(id(m))
+            ratios = paired_ratios(ours, theirs)
             table.add_row(what, m.side, f"{m.rate:,.0f}", " ".join(f"{r:,.0f}" for r in m.rates),
                           _percentile(m.batch_ms, 50), _percentile(m.batch_ms, 99),
-                          f"{ours.rate / theirs.rate:.2f}" if m is ours else "")
+                          f"{statistics.median(ratios):.2f}" if m is ours else "",
+                          f"{min(ratios):.2f}-{max(ratios):.2f}" if m is ours else "")
     console.print(table)
     for what, (ours, theirs) in pairs.items():
         goal = f"target >= {TARGET}" if what in ("write", "lease+commit") else "diagnostic"
+        ratios = paired_ratios(ours, theirs)
         print(f"{what}: reservoir {ours.rate:,.0f} rows/s | {theirs.side} {theirs.rate:,.0f} "
-              f"rows/s | ratio {ours.rate / theirs.rate:.2f} ({goal})")
+              f"rows/s | ratio {statistics.median(ratios):.2f} (repeats {min(ratios):.2f}-"
+              f"{max(ratios):.2f}, of the medians {ours.rate / theirs.rate:.2f}; {goal})")
     ours, theirs = pairs["write"]
     print(f"writer cost per row: reservoir {1e6 / ours.rate:.1f} us, bare COPY "
           f"{1e6 / theirs.rate:.1f} us, Reservoir's own {1e6 / ours.rate - 1e6 / theirs.rate:.1f} "
