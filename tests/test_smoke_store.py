@@ -8,3 +8,22 @@ def test_write_lease_commit_roundtrip(store):
     assert len(lease.groups()) == 2 and len(lease.rows) == 8
     step_id = store.commit_step(lease, step=1, policy_version=0)
     assert step_id > 0
+
+
+def test_a_run_waiting_too_long_for_its_partitions_is_refused_in_one_line(store):
+    """Creating a run attaches its partitions, which waits for locks on the experience tables
+    (at most 10 s): held longer (an archive holds them), the run is refused in one line that
+    says how to find the holder, and nothing of it is created."""
+    import pytest
+    from sqlalchemy import text
+
+    from reservoir.errors import StoreError
+
+    with store.engine.connect() as holder, holder.begin():
+        holder.execute(text("LOCK TABLE experience_data IN SHARE MODE"))
+        with pytest.raises(StoreError, match=r"run 'late' was not created: attaching its "
+                           r"partitions waited 10 s .*pg_stat_activity"):
+            store.create_run("late", group_size=4)
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs WHERE name = 'late'")).scalar() == 0
+    store.create_run("late", group_size=4)  # the lock gone, the same name goes in

@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Connection, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import OperationalError
 
 from reservoir.errors import StoreError
 from reservoir.store import partitions
@@ -23,7 +24,16 @@ def insert_run(conn: Connection, name: str, *, group_size: int | None = None,
     stmt = (pg_insert(runs).values(name=name, group_size=group_size, model=model,
                                    config=scrub(config or {}))
             .on_conflict_do_nothing(index_elements=["name"]).returning(runs.c.id))
-    return conn.execute(stmt).scalar()
+    try:
+        return conn.execute(stmt).scalar()
+    except OperationalError as exc:
+        if getattr(exc.orig, "pgcode", None) != "55P03":  # lock_not_available
+            raise
+        raise StoreError(
+            f"run {name!r} was not created: attaching its partitions waited 10 s for a "
+            "transaction that holds the experience or ledger tables (SELECT pid, xact_start, "
+            "query FROM pg_stat_activity ORDER BY xact_start shows it); try again when it "
+            "ends") from None
 
 
 def set_parent(conn: Connection, run_id: int, parent_id: int, step: int) -> None:
