@@ -27,3 +27,30 @@ def test_a_run_waiting_too_long_for_its_partitions_is_refused_in_one_line(store)
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM runs WHERE name = 'late'")).scalar() == 0
     store.create_run("late", group_size=4)  # the lock gone, the same name goes in
+
+
+def test_processes_creating_one_run_at_once_all_get_it(store):
+    """A trainer and explorers started together all create their run: the first creates it
+    (and its partitions), the others wait and get its id. Attaching partitions locks `runs`
+    (their keys to it), so a second INSERT already waiting on the first's row deadlocked."""
+    import threading
+
+    errors, ids = [], []
+
+    def create(name: str, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        try:
+            ids.append((name, store.create_run(name, group_size=2, exist_ok=True)))
+        except Exception as exc:  # collected: the assertion below names it
+            errors.append(str(exc).splitlines()[0])
+
+    for round_ in range(8):
+        barrier = threading.Barrier(4)
+        threads = [threading.Thread(target=create, args=(f"together-{round_}", barrier))
+                   for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+    assert len(ids) == 32 and len({run_id for _, run_id in ids}) == 8

@@ -73,15 +73,18 @@ COMMENT ON FUNCTION experience_partitions_add(bigint) IS
   'missing), each with its foreign key to the run''s partition it names.';
 """
 
-LEDGER = """
+def _ledger(partitioned: bool) -> str:
+    """batch_items as 0014 makes it (partitioned by run) or as 0013 had it."""
+    key = "train_step_id, experience_id" + (", run_id" if partitioned else "")
+    return f"""
 CREATE TABLE batch_items (
     train_step_id bigint NOT NULL REFERENCES train_steps (id) ON DELETE CASCADE,
     experience_id bigint NOT NULL,
     policy_version integer NOT NULL,
     weight float8 NOT NULL DEFAULT 1,
     run_id bigint NOT NULL,
-    CONSTRAINT batch_items_pkey PRIMARY KEY (train_step_id, experience_id, run_id)
-) PARTITION BY LIST (run_id);
+    CONSTRAINT batch_items_pkey PRIMARY KEY ({key})
+){" PARTITION BY LIST (run_id)" if partitioned else ""};
 CREATE INDEX batch_items_experience ON batch_items (experience_id);
 """
 
@@ -95,8 +98,8 @@ def upgrade() -> None:
     op.execute("ALTER TABLE experience_state DROP CONSTRAINT experience_state_data")
     op.execute("ALTER TABLE batch_items DROP CONSTRAINT batch_items_experience_id_fkey")
     op.execute("DROP TRIGGER batch_items_experience_run ON batch_items")
-    _0013._set_aside("batch_items")  # batch_items_0012 and its indexes
-    op.execute(LEDGER)
+    _0013._set_aside("batch_items")  # renamed batch_items_0012 (the helper's suffix)
+    op.execute(_ledger(partitioned=True))
     op.execute(PARTITIONS)
     for run in _runs():  # state partitions get their key; batch_items partitions are new
         op.execute(f"""
@@ -118,8 +121,7 @@ def downgrade() -> None:
         op.execute(f"ALTER TABLE experience_state_r{run} "
                    f"DROP CONSTRAINT experience_state_r{run}_data")
     _0013._set_aside("batch_items")
-    op.execute(LEDGER.replace(") PARTITION BY LIST (run_id);", ");")
-               .replace("(train_step_id, experience_id, run_id)", "(train_step_id, experience_id)"))
+    op.execute(_ledger(partitioned=False))
     op.execute("""
         INSERT INTO batch_items (train_step_id, experience_id, policy_version, weight, run_id)
         SELECT train_step_id, experience_id, policy_version, weight, run_id

@@ -16,15 +16,23 @@ from reservoir.store.schema import experiences, policy_versions, runs, train_ste
 from reservoir.store.urls import scrub
 
 
+# Creators of runs take turns, before their INSERT. A new run's row attaches its partitions,
+# whose keys to `runs` lock it against writes; an INSERT of the same name that already holds
+# its write lock on `runs` while it waits for the first one's row closed a deadlock.
+ONE_CREATOR = text("SELECT pg_advisory_xact_lock(hashtext('reservoir: run creation'))")
+
+
 def insert_run(conn: Connection, name: str, *, group_size: int | None = None,
                model: str | None = None, config: dict[str, Any] | None = None) -> int | None:
     """Insert a run and return its id; None if a run of that name exists (a concurrent insert
     of the same name waits for the first to commit, then gets None). Passwords in URLs inside
-    the config are removed: the reader can read runs.config."""
+    the config are removed: the reader can read runs.config. Call it first in a transaction:
+    the turn it takes must not wait while the transaction holds locks."""
     stmt = (pg_insert(runs).values(name=name, group_size=group_size, model=model,
                                    config=scrub(config or {}))
             .on_conflict_do_nothing(index_elements=["name"]).returning(runs.c.id))
     try:
+        conn.execute(ONE_CREATOR)
         return conn.execute(stmt).scalar()
     except OperationalError as exc:
         if getattr(exc.orig, "pgcode", None) != "55P03":  # lock_not_available
