@@ -46,7 +46,8 @@ def drop(conn: Connection, run_id: int) -> int:
     for statement in UNLINK:
         conn.execute(statement, {"run": run_id})
     partitions = names(run_id)
-    dropped = conn.execute(text(f"SELECT count(*) FROM {partitions[1]}")).scalar()
+    dropped = conn.execute(text(f"SELECT count(*) FROM {name('experience_state', run_id)}")
+                           ).scalar()
     for parent, partition in zip(PARENTS, partitions):
         _detach(conn, parent, partition)
         conn.execute(text(f"DROP TABLE {partition}"))

@@ -99,9 +99,8 @@ async def write_groups(
     result = WriteResult()
     if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)):
         raise StoreError(f"write_groups takes a list of groups, got {type(groups).__name__}")
-    heads = [group[0] for group in groups  # first rows of what look like groups; the checks
-             if isinstance(group, Sequence) and group  # below name everything else
-             and isinstance(group[0], Experience)]
+    likely = [group for group in groups if _looks_like_group(group)]  # the checks below
+    heads = [group[0] for group in likely]                             # name everything else
     parents = sorted({exp.parent_id for group in groups if isinstance(group, Sequence)
                       for exp in group if isinstance(exp, Experience) and _is_id(exp.parent_id)})
     if flow.samples_per_insert is not None:  # before the transaction: it holds nothing waiting
@@ -111,8 +110,7 @@ async def write_groups(
             run_info, existing, parent_runs, ids = await _lookup(
                 conn, sorted({head.run for head in heads if isinstance(head.run, str)}),
                 sorted({head.group_id for head in heads if isinstance(head.group_id, uuid.UUID)}),
-                parents, sum(len(group) for group in groups if isinstance(group, Sequence)
-                             and group and isinstance(group[0], Experience)))
+                parents, sum(len(group) for group in likely))
             admitted = _admitted_groups(groups, run_info, existing, parent_runs, on_invalid,
                                         result)
             if not admitted:
@@ -279,6 +277,11 @@ def _check_parents(group: Sequence[Experience], index: int, parent_runs: dict[in
                 group_index=index, row_index=row_index, field="parent_id")
 
 
+def _looks_like_group(group) -> bool:
+    """A non-empty sequence whose first row is an Experience (its other rows are checked later)."""
+    return isinstance(group, Sequence) and bool(group) and isinstance(group[0], Experience)
+
+
 def _is_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**63
 
@@ -320,7 +323,7 @@ async def _rows_per_run(engine: AsyncEngine, groups) -> Counter:
     """Rows each run would get if every group passed (what flow control waits for room for)."""
     names = Counter()
     for group in groups:
-        if isinstance(group, Sequence) and group and isinstance(group[0], Experience):
+        if _looks_like_group(group):
             names[group[0].run] += len(group)
     known = [name for name in names if isinstance(name, str)]
     if not known:
