@@ -54,3 +54,24 @@ def test_processes_creating_one_run_at_once_all_get_it(store):
             thread.join()
     assert errors == []
     assert len(ids) == 32 and len({run_id for _, run_id in ids}) == 8
+
+
+def test_pooled_connections_the_server_ended_are_replaced_without_an_error(store):
+    """A pooled connection the server ended while it sat idle (a restart, an idle timeout,
+    pg_terminate_backend) is replaced at checkout: the next commit, write and lease work."""
+    import time
+
+    from sqlalchemy import text
+
+    store.create_run("r", group_size=4)
+    fill(store, "r", 2)
+    lease = store.lease("r", groups=1)  # the async pool now holds an idle connection
+    with store.engine.connect() as conn:
+        ended = conn.execute(text(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar()
+    assert ended >= 1
+    time.sleep(0.2)  # the server's goodbye reaches the idle connection
+    store.commit_step(lease, step=1, policy_version=0)
+    fill(store, "r", 1, start_seed=5)
+    assert len(store.lease("r", groups=2).rows) == 8

@@ -7,8 +7,9 @@ batches.
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from reservoir.config import StoreConfig
@@ -50,4 +51,15 @@ def async_engine(url: str, **kwargs) -> AsyncEngine:
         parsed = parsed.difference_update_query(["host"]).set(host=socket_dir)
     if port:
         parsed = parsed.difference_update_query(["port"]).set(port=int(port))
-    return create_async_engine(parsed, pool_pre_ping=True, **kwargs)
+    engine = create_async_engine(parsed, **kwargs)
+    event.listen(engine.sync_engine.pool, "checkout", _replace_if_closed)
+    return engine
+
+
+def _replace_if_closed(dbapi_connection, connection_record, connection_proxy) -> None:
+    """Pool checkout: a connection the server ended while it sat idle (a restart, an idle
+    timeout) is replaced by a new one. asyncpg saw its socket close, so the check is local:
+    pool_pre_ping costs three round trips a checkout (BEGIN, ';', ROLLBACK), 1.3-1.6 ms of a
+    lease + commit of 256 rows here."""
+    if dbapi_connection.driver_connection.is_closed():
+        raise DisconnectionError("the server closed this pooled connection")
