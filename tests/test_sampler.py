@@ -263,3 +263,34 @@ def test_configured_unit_and_batch_are_the_default_lease(make_store, unit, expec
     lease = store.lease("r")
     assert len(lease.rows) == expected_rows
     assert all(len(rows) == 4 for rows in lease.groups().values()) or unit == "rows"
+
+
+@pytest.mark.parametrize("unit", ["rows", "groups"])
+def test_a_lease_reads_only_its_runs_partitions(store, unit):
+    """Every table a lease reads names the runs it leases from, so the server plans and locks
+    only their partitions: joined through the parents (the data row, the group's size, the
+    group's leader), a lease on a store of 200 runs took 6.5 times as long as on a store of
+    one (43.6 ms against 6.8 ms for the lease statement, 256 rows)."""
+    import uuid
+    from datetime import timedelta
+
+    from reservoir.store import partitions, sampler
+
+    leased = store.create_run("leased", group_size=4)
+    other = store.create_run("other", group_size=4)
+    stmt = sampler.lease_statement(unit, store.flow, False)
+    with store.engine.connect() as conn:
+        bound = stmt.compile(dialect=conn.dialect).construct_expanded_state(dict(
+            run_ids=[leased], n=8, token=str(uuid.uuid4()), lease_for=timedelta(seconds=60)))
+        plan = conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + bound.statement,
+                                    bound.parameters).scalar()
+
+    def relations(node):
+        yield node.get("Relation Name")
+        for child in node.get("Plans", []):
+            yield from relations(child)
+
+    read = set(relations(plan[0]["Plan"])) - {None}
+    assert not {name for name in read if name.endswith(f"_r{other}")}, read
+    assert {partitions.name("experience_state", leased),
+            partitions.name("experience_data", leased)} <= read

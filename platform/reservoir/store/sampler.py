@@ -137,20 +137,31 @@ def _returned(leased, group_rows):
             leased.c.leased_until)
 
 
-def _group_rows(rows):
+def _of_runs(table):
+    """`run_id IN (the lease's runs)`, bound at execution. Each table a lease reads says it, so
+    the server plans and locks only those runs' partitions: a join on run_id alone (to the
+    data, to a group's other rows) reads through the parent, and on a store of 200 runs the
+    lease took 6.5 times as long as on a store of one."""
+    return table.c.run_id.in_(bindparam("run_ids", type_=BigInteger, expanding=True))
+
+
+def _group_rows(rows, *, of_runs: bool = False):
     """How many rows the group of each of `rows` has in the store, whatever their status."""
-    return (select(func.count()).where(_mates.c.group_id == rows.c.group_id,
-                                       _mates.c.run_id == rows.c.run_id).scalar_subquery())
+    same_group = and_(_mates.c.group_id == rows.c.group_id, _mates.c.run_id == rows.c.run_id,
+                      _of_runs(_mates) if of_runs else true())
+    return select(func.count()).where(same_group).scalar_subquery()
 
 
 def _with_data(leased):
     """Statement: the leased rows joined to their data and to their groups' sizes (counted
     once a group: a lease of 256 rows holds ~32 groups), with the sampled counter updated."""
     groups = select(leased.c.run_id, leased.c.group_id).distinct().cte("leased_groups")
-    sizes = (select(groups.c.run_id, groups.c.group_id, _group_rows(groups).label("n"))
+    sizes = (select(groups.c.run_id, groups.c.group_id,
+                    _group_rows(groups, of_runs=True).label("n"))
              .cte("sizes").prefix_with("MATERIALIZED"))  # else inlined: a count a row again
+    same_row = and_(d.c.run_id == leased.c.run_id, d.c.id == leased.c.id, _of_runs(d))
     return (select(*_returned(leased, sizes.c.n))
-            .join_from(leased, d, and_(d.c.run_id == leased.c.run_id, d.c.id == leased.c.id))
+            .join_from(leased, d, same_row)
             .join(sizes, and_(sizes.c.run_id == leased.c.run_id,
                               sizes.c.group_id == leased.c.group_id))
             .add_cte(count_sampled(leased, 1)))
@@ -202,7 +213,7 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
     Bound at execution: run_ids, n (rows or groups), token, lease_for (an interval) and, with
     explicit_floor, min_version.
     """
-    of_runs = e.c.run_id.in_(bindparam("run_ids", type_=BigInteger, expanding=True))
+    of_runs = _of_runs(e)
     where = and_(of_runs, _eligible(e, flow), _version_floor(flow, explicit_floor))
     lease_values = dict(status="leased", lease_token=bindparam("token", type_=UUID(as_uuid=True)),
                         leased_until=func.now() + bindparam("lease_for", type_=Interval))
@@ -215,7 +226,7 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
         return _with_data(leased)
     other = e.alias("other")
     leader = ~exists().where(
-        other.c.group_id == e.c.group_id, other.c.run_id == e.c.run_id,
+        other.c.group_id == e.c.group_id, other.c.run_id == e.c.run_id, _of_runs(other),
         status_in(other.c.status, SETTLING)
         | and_(other.c.group_row < e.c.group_row, _eligible(other, flow)))
     picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
