@@ -46,3 +46,18 @@ def rollouts(engine, store: Store, run: str, tasks, *, n: int, max_tokens: int,
         groups = explore(make_workflow(workflow, options), tasks, batcher,
                          Sampling(n, 1.0, max_tokens), run=run, version=version, reward=reward)
     return store.write_groups(groups)
+
+
+def planned_relations(engine, statement, params: dict) -> set[str]:
+    """The tables and partitions the server's plan of `statement` (bound to `params`) reads."""
+    with engine.connect() as conn:
+        bound = statement.compile(dialect=conn.dialect).construct_expanded_state(params)
+        plan = conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + bound.statement,
+                                    bound.parameters).scalar()
+
+    def relations(node):
+        yield node.get("Relation Name")
+        for child in node.get("Plans", []):
+            yield from relations(child)
+
+    return set(relations(plan[0]["Plan"])) - {None}

@@ -133,9 +133,13 @@ def test_the_run_s_rows_leave_with_its_partitions_and_come_back_into_new_ones(st
         assert after[f"{parent}_r{run_id}"] != before[f"{parent}_r{run_id}"]  # dropped, new
         assert after[f"{parent}_r{other_id}"] == before[f"{parent}_r{other_id}"]  # untouched
         assert count(store.engine, f"SELECT count(*) FROM {parent}_r{run_id}") == 0
+    groups = f"SELECT count(*) FROM experience_groups WHERE run_id = {run_id}"
+    assert count(store.engine, groups) == 0  # the run's group ids leave with its rows
     restore_run(store.engine, tmp_path / "a")
     assert count(store.engine, f"SELECT count(*) FROM experience_state_r{run_id}") == 24
     assert count(store.engine, "SELECT count(*) FROM ONLY experience_state") == 0
+    assert count(store.engine, groups) == count(  # and come back with them
+        store.engine, f"SELECT count(DISTINCT group_id) FROM experience_state_r{run_id}") > 0
 
 
 def test_a_changed_byte_fails_the_restore_naming_the_file_and_inserts_nothing(store, tmp_path):

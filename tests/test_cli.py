@@ -6,8 +6,6 @@ import json
 import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from sqlalchemy import text

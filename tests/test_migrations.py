@@ -320,3 +320,43 @@ def test_keys_name_the_run_s_partitions_and_the_ledger_moves_into_them(new_datab
         assert conn.execute(text("SELECT train_step_id, experience_id, run_id FROM batch_items")
                             ).all() == [(1, 1, 1)]
     migrate.downgrade(engine, "0012")
+
+
+def test_group_ids_of_a_populated_store_go_into_one_table_kept_by_the_server(new_database,
+                                                                             engines):
+    """Migration 0015 on a populated store: every group id goes into experience_groups with its
+    run; an id two runs share (0014 allowed it: each partition had its own unique index) stays
+    with the earlier run; new groups are added by the server, a taken id is refused; the
+    downgrade removes the table and its trigger."""
+    engine = engines(new_database())
+    migrate.upgrade(engine, "0012")
+    with engine.begin() as conn:
+        conn.execute(text(POPULATED_0012))
+    migrate.upgrade(engine, "0014")
+    with engine.begin() as conn:  # run 2 takes group 'a' of run 1 again
+        conn.execute(text("INSERT INTO experiences (run_id, group_id, group_row, policy_version, "
+                          "prompt_text, response_text, prompt_ids, response_ids, reward) VALUES "
+                          "(2, md5('a')::uuid, 0, 0, 'p', 'r', '\\x', '\\x', 0)"))
+    migrate.upgrade(engine, "0015")
+    listed = "SELECT group_id::text, run_id FROM experience_groups ORDER BY run_id, group_id"
+    with engine.connect() as conn:
+        groups = conn.execute(text(listed)).all()
+        md5 = dict(conn.execute(text("SELECT x, md5(x)::uuid::text FROM unnest(ARRAY['a', 'b', "
+                                     "'c', 'd']) AS x")).all())
+    assert groups == sorted([(md5["a"], 1), (md5["b"], 1), (md5["c"], 2)],
+                            key=lambda row: (row[1], row[0]))
+    insert = text("INSERT INTO experiences (run_id, group_id, group_row, policy_version, "
+                  "prompt_text, response_text, prompt_ids, response_ids, reward) VALUES "
+                  "(:run, md5(:g)::uuid, 0, 0, 'p', 'r', '\\x', '\\x', 0)")
+    with engine.begin() as conn:
+        conn.execute(insert, {"run": 2, "g": "d"})
+    with pytest.raises(Exception, match="experience_groups_pkey"):
+        with engine.begin() as conn:
+            conn.execute(insert, {"run": 2, "g": "b"})
+    with engine.connect() as conn:
+        assert (md5["d"], 2) in conn.execute(text(listed)).all()
+    migrate.downgrade(engine, "0014")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT to_regclass('experience_groups')")).scalar() is None
+    with engine.begin() as conn:  # the trigger went with it
+        conn.execute(insert, {"run": 2, "g": "b"})

@@ -10,7 +10,7 @@ from sqlalchemy import func, select, text, update
 
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
 from reservoir.store.schema import batch_items, experiences, runs, train_steps
-from tests.factories import fill, make_group
+from tests.factories import fill, make_group, planned_relations
 
 
 def statuses(store) -> dict[str, int]:
@@ -278,19 +278,8 @@ def test_a_lease_reads_only_its_runs_partitions(store, unit):
 
     leased = store.create_run("leased", group_size=4)
     other = store.create_run("other", group_size=4)
-    stmt = sampler.lease_statement(unit, store.flow, False)
-    with store.engine.connect() as conn:
-        bound = stmt.compile(dialect=conn.dialect).construct_expanded_state(dict(
-            run_ids=[leased], n=8, token=str(uuid.uuid4()), lease_for=timedelta(seconds=60)))
-        plan = conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + bound.statement,
-                                    bound.parameters).scalar()
-
-    def relations(node):
-        yield node.get("Relation Name")
-        for child in node.get("Plans", []):
-            yield from relations(child)
-
-    read = set(relations(plan[0]["Plan"])) - {None}
+    read = planned_relations(store.engine, sampler.lease_statement(unit, store.flow, False), dict(
+        run_ids=[leased], n=8, token=str(uuid.uuid4()), lease_for=timedelta(seconds=60)))
     assert not {name for name in read if name.endswith(f"_r{other}")}, read
     assert {partitions.name("experience_state", leased),
             partitions.name("experience_data", leased)} <= read

@@ -22,6 +22,7 @@ UNLINK = [text(sql) for sql in (
     "DELETE FROM operator_events WHERE run_id = :run",
     "DELETE FROM reviews WHERE run_id = :run",
     "DELETE FROM preferences WHERE run_id = :run",
+    "DELETE FROM experience_groups WHERE run_id = :run",  # a restore adds them again
     "UPDATE review_actions SET run_id = NULL, experience_id = NULL WHERE run_id = :run",
     "UPDATE experience_data SET parent_run_id = NULL, parent_id = NULL "
     "WHERE parent_run_id = :run",

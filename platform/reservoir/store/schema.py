@@ -186,6 +186,17 @@ experience_state = Table(
     postgresql_partition_by="LIST (run_id)",
 )
 
+# Every group's id, with its run (migration 0015): a group id names one group of one run. A
+# trigger on experience_state adds a group's id when its row 0 is inserted, however it comes.
+experience_groups = Table(
+    "experience_groups",
+    metadata,
+    Column("group_id", UUID(as_uuid=True), primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Index("experience_groups_run", "run_id"),
+    comment="Every group id, with its run: a group id names one group of one run.",
+)
+
 # The view: every column of an experience under one name, in this order (declared here for
 # queries, not created by `metadata`: migration 0012 creates it).
 EXPERIENCE_COLUMNS = ("id", "run_id", "task_id", "group_id", "group_row", "policy_version",
