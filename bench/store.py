@@ -16,6 +16,10 @@ What is compared (rows/s, and the ratio Reservoir / bare; the target is >= 0.8 f
     one statement), on a second queue of its own.
 (c) scaling: 1, 2 and 4 writer processes at once, each writing its own rows through
     `Store.write_groups` or the bare COPY; rows/s of all of them together, and the ratio.
+(d) many runs: Reservoir's writes and lease + commits of the bench run on a store of 200 more
+    (empty) runs (`--other-runs`), against the same just before on the store of this run
+    alone: each run is three partitions, and a statement that reads a parent without naming
+    its runs plans and locks all of them.
 
 Why it is fair:
 - Both sides write to the same server and database, into tables of the same shape: the bare
@@ -100,6 +104,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lease-batches", type=int, default=100, help="leases per repeat and side")
     p.add_argument("--scaling-rows", type=int, default=20_000,
                    help="rows each writer process writes in the scaling measurement")
+    p.add_argument("--other-runs", type=int, default=200,
+                   help="empty runs created for the many-runs measurement (0: skip it)")
     p.add_argument("--repeat", type=int, default=3, help="repeats; the median is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the bench run and the bare tables")
@@ -672,10 +678,61 @@ def run_bench(store: Store, bare: Bare, run: str, run_id: int, args) -> dict[str
     for line in plans:
         console.print(line, highlight=False)
     drift_note(pairs["lease+commit"][1], plans)
+    if args.other_runs:
+        pairs.update(measure_other_runs(store, pool, run, args))
     for writers in WRITERS:
         pairs[f"{writers} writer{'s' if writers > 1 else ''}"] = measure_scaling(
             store.url, run, run_id, writers, args)
     return pairs
+
+
+# --- a store of many runs -------------------------------------------------------------------
+
+
+def _reservoir_round(store: Store, pool: Pool, run: str, calls: int, args, steps,
+                     write: Measure, lease: Measure) -> None:
+    """`calls` write calls and `calls` lease + commit batches of the bench run, timed."""
+    per_call = args.write_batch_groups
+    write.add(calls * per_call * args.group_size,
+              timed_writes(store, pool.groups[:calls * per_call], per_call))
+    lease.start_repeat()
+    for _ in range(calls):
+        [(_, total)] = timed_leases(store, run, 1, args.batch, steps)
+        lease.add_batch(total)
+    lease.end_repeat(calls * args.batch)
+
+
+def measure_other_runs(store: Store, pool: Pool, run: str, args) -> dict:
+    """Reservoir's writes and lease + commits of the bench run on a store of `--other-runs`
+    more (empty) runs, against the same on the store of this run alone, measured just before:
+    a statement that reads a parent table without naming the run plans every run's
+    partitions."""
+    calls = max(5, args.lease_batches // 5)
+    steps = count(10**6)
+    alone_write, alone_lease = Measure("reservoir, store of one run"), \
+        Measure("reservoir, store of one run")
+    many_write, many_lease = Measure(f"reservoir, {args.other_runs} more runs"), \
+        Measure(f"reservoir, {args.other_runs} more runs")
+    for _ in range(args.repeat):
+        _reservoir_round(store, pool, run, calls, args, steps, alone_write, alone_lease)
+    started = time.perf_counter()
+    others = [f"{run}-other-{i}" for i in range(args.other_runs)]
+    for name in others:
+        store.create_run(name, group_size=args.group_size)
+    console.print(f"many runs: created {len(others)} empty runs in "
+                  f"{time.perf_counter() - started:.1f}s")
+    try:
+        for r in range(args.repeat):
+            _reservoir_round(store, pool, run, calls, args, steps, many_write, many_lease)
+            console.print(f"  many runs, repeat {r + 1}: write {many_write.rates[-1]:,.0f} rows/s "
+                          f"(alone {alone_write.rates[r]:,.0f}), lease+commit "
+                          f"{many_lease.rates[-1]:,.0f} rows/s (alone {alone_lease.rates[r]:,.0f})")
+    finally:
+        with store.engine.begin() as conn:
+            for name in others:
+                delete_run(conn, name)
+    return {f"write, {args.other_runs} more runs": [many_write, alone_write],
+            f"lease+commit, {args.other_runs} more runs": [many_lease, alone_lease]}
 
 
 # --- N writer processes ---------------------------------------------------------------------
