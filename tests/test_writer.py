@@ -177,13 +177,11 @@ def test_a_group_id_names_one_group_of_one_run_and_the_server_says_so(seeded):
 
     from sqlalchemy.exc import IntegrityError
 
-    seeded.create_run("second", group_size=4)
+    second = seeded.create_run("second", group_size=4)
     group_id = uuid.uuid4()
     seeded.write_groups([make_group("r", seed=1, group_id=group_id)])
     with pytest.raises(ExperienceInvalid, match=f"group 0: group_id {group_id} already exists"):
         seeded.write_groups([make_group("second", seed=2, group_id=group_id)])
-    with seeded.engine.begin() as conn:
-        second = conn.execute(text("SELECT id FROM runs WHERE name = 'second'")).scalar()
     insert = text("INSERT INTO experiences (run_id, group_id, group_row, policy_version, "
                   "prompt_text, response_text, prompt_ids, response_ids, reward) VALUES "
                   "(:run, :group, 0, 0, 'p', 'r', '\\x', '\\x', 0)")
