@@ -290,11 +290,11 @@ def test_no_execution_of_a_lease_locks_every_run_s_partitions(store):
     once to compare, and a generic plan locks every partition of the tables it names (1,438
     locks for a lease on a store of 51 runs, against 38): on a store of hundreds of runs that
     lease could fail with "out of shared memory". The hot path plans every execution for its
-    parameters, so a lease locks its run's partitions only, every time."""
+    parameters, so a lease and a step commit lock their run's partitions only, every time."""
     import uuid
     from datetime import timedelta
 
-    from reservoir.store import sampler
+    from reservoir.store import ledger, sampler
 
     leased = store.create_run("leased", group_size=4)
     for i in range(20):
@@ -303,16 +303,51 @@ def test_no_execution_of_a_lease_locks_every_run_s_partitions(store):
     statement = sampler.lease_statement("rows", store.flow, False)
     locks = text("SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid()")
 
-    async def lease_one_row_at_a_time() -> list[int]:
-        held = []
+    async def lease_and_commit_one_row_at_a_time() -> tuple[list[int], list[int]]:
+        held, held_committing = [], []
         async with store.aio.engine.connect() as conn:
-            for _ in range(8):
+            for step in range(1, 9):
                 async with conn.begin():
-                    await conn.execute(statement, dict(
-                        run_ids=[leased], n=1, token=uuid.uuid4(),
-                        lease_for=timedelta(seconds=60)))
+                    token = uuid.uuid4()
+                    [row] = (await conn.execute(statement, dict(
+                        run_ids=[leased], n=1, token=token,
+                        lease_for=timedelta(seconds=60)))).all()
                     held.append((await conn.execute(locks)).scalar())
-        return held
+                async with conn.begin():
+                    await conn.execute(ledger.COMMIT_STEP, dict(
+                        token=token, run_id=leased, step=step, policy_version=0, loss=None,
+                        metrics={}, n_experiences=1, ids=[row.id], stage=None,
+                        run_ids=[leased], weights=[1.0]))
+                    held_committing.append((await conn.execute(locks)).scalar())
+        return held, held_committing
 
-    held = store._loop.run(lease_one_row_at_a_time())
+    held, held_committing = store._loop.run(lease_and_commit_one_row_at_a_time())
     assert max(held) - min(held) <= 2 and max(held) < 100, held
+    assert max(held_committing) < 100, held_committing  # the first plans the key checks
+
+
+def test_the_keys_each_written_and_each_ledger_row_checks_reuse_their_plans(store):
+    """A lease is planned for its parameters (above), but the foreign keys a row checks after a
+    write's COPY or a step commit name plain tables (the run's partitions, runs, train_steps)
+    and keep one plan each: planned again for every row, they cost a 512-row write 13 ms and a
+    256-row commit 5 ms. A trigger of the same kind as the key checks (after insert, each row)
+    sees the setting they run under."""
+    run_id = store.create_run("keys", group_size=4)
+    with store.engine.begin() as conn:
+        conn.execute(text("""
+            CREATE TABLE plan_modes (at text, mode text);
+            CREATE FUNCTION record_plan_mode() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO plan_modes VALUES (TG_TABLE_NAME, current_setting('plan_cache_mode'));
+                RETURN NULL;
+            END $$;"""))
+        for table in (f"experience_state_r{run_id}", f"batch_items_r{run_id}"):
+            conn.execute(text(f"CREATE TRIGGER record_plan_mode AFTER INSERT ON {table} "
+                              "FOR EACH ROW EXECUTE FUNCTION record_plan_mode()"))
+    fill(store, "keys", 2)
+    store.commit_step(store.lease("keys", rows=8), step=1, policy_version=0)
+    with store.engine.connect() as conn:
+        modes = conn.execute(text("SELECT at, mode, count(*) FROM plan_modes "
+                                  "GROUP BY at, mode ORDER BY at")).all()
+    assert [tuple(row) for row in modes] == [(f"batch_items_r{run_id}", "auto", 8),
+                                             (f"experience_state_r{run_id}", "auto", 8)]

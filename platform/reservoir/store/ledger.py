@@ -13,13 +13,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.types import BigInteger, Float
 
 from reservoir.errors import LeaseLost, StoreError
+from reservoir.store.engine import REUSE_PLANS
 from reservoir.store.sampler import Lease
 from reservoir.store.schema import batch_items, batch_pairs, preferences, train_steps
 
 # One statement: the lease's rows become consumed, the step row is inserted, and one ledger row
 # per consumed experience joins the two. It returns the step's id and how many ledger rows it
-# wrote (one row: a result of 256 rows cost the client more than the server's inserts).
-COMMIT_STEP = text("""
+# wrote (one row: a result of 256 rows cost the client more than the server's inserts). It is
+# planned for its runs; the two keys each ledger row checks at its end reuse their plans.
+COMMIT_STEP = text(f"""
 WITH consumed AS (
     UPDATE experience_state
     SET status = 'consumed', times_sampled = times_sampled + 1,
@@ -39,7 +41,7 @@ WITH consumed AS (
     FROM consumed JOIN weighted ON weighted.experience_id = consumed.id CROSS JOIN step
     RETURNING train_step_id
 )
-SELECT (SELECT id FROM step), (SELECT count(*) FROM items)
+SELECT (SELECT id FROM step), (SELECT count(*) FROM items), {REUSE_PLANS}
 """).bindparams(
     bindparam("token", type_=UUID(as_uuid=True)),
     bindparam("metrics", type_=JSONB),
@@ -83,7 +85,7 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
                   weights=[float(w) for w in weights] if weights is not None else [1.0] * len(ids))
     async with engine.begin() as conn:
         try:
-            step_id, written = (await conn.execute(COMMIT_STEP, params)).one()
+            step_id, written, _ = (await conn.execute(COMMIT_STEP, params)).one()
         except IntegrityError as exc:
             if "train_steps_run_step" in str(exc.orig):
                 raise StoreError(f"step {step} of run id {run_id} is already committed; "

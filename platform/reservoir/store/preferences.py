@@ -24,6 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
+from reservoir.store.engine import REUSE_PLANS
 from reservoir.store.ledger import finite
 from reservoir.store.schema import experiences, preferences
 
@@ -195,8 +196,9 @@ async def release_pairs(engine: AsyncEngine, lease: PairLease) -> int:
 
 
 # One statement: the lease's pairs become consumed, the step row is inserted, one batch_pairs
-# row per pair and one batch_items row per experience (chosen +1, rejected -1) join them.
-COMMIT_PAIRS = text("""
+# row per pair and one batch_items row per experience (chosen +1, rejected -1) join them; the
+# keys those rows check reuse their plans (engine.REUSE_PLANS).
+COMMIT_PAIRS = text(f"""
 WITH consumed AS (
     UPDATE preferences
     SET status = 'consumed', times_sampled = times_sampled + 1,
@@ -221,7 +223,8 @@ WITH consumed AS (
     GROUP BY step.id, consumed.run_id, side.experience_id
     RETURNING experience_id
 )
-SELECT (SELECT id FROM step) AS step_id, (SELECT count(*) FROM ledger_pairs) AS pairs
+SELECT (SELECT id FROM step) AS step_id, (SELECT count(*) FROM ledger_pairs) AS pairs,
+       {REUSE_PLANS} AS plans
 """).bindparams(bindparam("token", type_=UUID(as_uuid=True)), bindparam("metrics", type_=JSONB))
 
 
@@ -240,7 +243,7 @@ async def commit_pairs(engine: AsyncEngine, lease: PairLease, *, run_id: int, st
                   loss=loss, metrics=finite(metrics or {}), n_experiences=2 * n, stage=stage)
     async with engine.begin() as conn:
         try:
-            step_id, written = (await conn.execute(COMMIT_PAIRS, params)).one()
+            step_id, written, _ = (await conn.execute(COMMIT_PAIRS, params)).one()
         except IntegrityError as exc:
             if "train_steps_run_step" in str(exc.orig):
                 raise StoreError(f"step {step} of run id {run_id} is already committed; "

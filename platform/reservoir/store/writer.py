@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from reservoir.config import SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
 from reservoir.store import partitions, runs
+from reservoir.store.engine import REUSE_PLANS
 from reservoir.store.flow import RateLimit
 from reservoir.store.notify import AsyncWake, rows_channel
 from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
@@ -145,6 +146,7 @@ async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status
     caller's transaction rolls back)."""
     raw = (await conn.get_raw_connection()).driver_connection
     data_table, state_table = _tables(stream)
+    await raw.execute(f"SELECT {REUSE_PLANS}")  # the keys each row checks, and the group trigger
     await raw.copy_records_to_table(data_table, columns=COPY_DATA_COLUMNS,
                                     records=stream.data_records(ids))
     if stream.error is not None:
