@@ -350,6 +350,42 @@ def test_database_failure_is_a_store_error(seeded):
         seeded.write_groups([make_group("r", seed=2, task_id=999_999)])
 
 
+BAD_LATE = {"value": dict(reward=math.nan), "database": dict(task_id=999_999)}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_LATE))
+def test_a_bad_group_chunks_into_a_write_leaves_nothing_of_it(seeded, bad):
+    """The writer sends a batch as one COPY of data and one of state rows per chunk of 16
+    groups while it checks the next chunk: a group the writer refuses (a NaN reward) or the
+    server refuses (no such task) in the third chunk rolls back the chunks already sent."""
+    before = counts(seeded)
+    batch = [make_group("r", seed=i) for i in range(40)]
+    batch[37] = make_group("r", seed=37, **BAD_LATE[bad])
+    expected = ExperienceInvalid if bad == "value" else StoreError
+    with pytest.raises(expected, match="group 37 row 0 .*field 'reward' = nan" if bad == "value"
+                       else "task_id"):
+        seeded.write_groups(batch)
+    assert counts(seeded) == before
+    seeded.write_groups([make_group("r", seed=50)])  # the pooled connection is still usable
+    assert counts(seeded) == (before[0] + 4, before[1] + 4)
+
+
+def test_skip_across_chunks_writes_each_good_group_whole_with_its_ids(seeded):
+    """Bad groups in the first and third chunks are skipped; every other group lands whole, its
+    data and state rows under the same ids, in the order given."""
+    batch = [make_group("r", seed=i, reward=math.nan if i in (3, 35) else 0.5)
+             for i in range(40)]
+    result = seeded.write_groups(batch, on_invalid="skip")
+    assert [e.group_index for e in result.rejected] == [3, 35]
+    assert (result.groups, result.rows) == (38, 152)
+    rows = fetch(seeded, "SELECT group_id, group_row, prompt_text FROM experiences "
+                         "WHERE reward = 0.5 ORDER BY id")
+    assert [(r.group_id, r.group_row) for r in rows] == [
+        (group_id, row) for group_id in result.group_ids for row in range(4)]
+    assert [r.prompt_text for r in rows[::4]] == [
+        f"prompt {i}" for i in range(40) if i not in (3, 35)]
+
+
 def test_a_parent_names_an_experience_and_its_run(seeded):
     """A parent of another run is stored with that run; a parent id no experience has refuses
     its group (skip mode writes the others)."""

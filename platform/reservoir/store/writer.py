@@ -1,11 +1,11 @@
 """Writing groups of experiences: checked, then COPY in one transaction.
 
-A row is two rows (schema.py): its data and its state, each sent by one COPY, with ids drawn
-from the data table's sequence in one statement first. Groups are admitted (structure, run,
-size, new id) before the transaction; their rows are checked and encoded while the server
-takes the COPY (the records are a generator asyncpg reads 512 KB at a time), so Python's work
-and the server's inserts overlap. A bad row in "raise" mode ends the COPY and rolls the whole
-transaction back.
+A row is two rows (schema.py): its data and its state, sent by COPY, with ids drawn from the
+data table's sequence in one statement first. Groups are admitted (structure, run, size, new
+id) before the transaction; their rows are checked and encoded a chunk of groups at a time,
+each chunk one COPY of data rows and one of state rows, while the server takes the chunk
+before, so Python's work and the server's inserts overlap. A bad row in "raise" mode ends the
+stream and rolls the whole transaction back.
 
 Rules checked before anything is committed: every field has its type; token, logprob and mask
 lengths agree; the reward and its components are finite, logprobs finite as stored (float32)
@@ -18,6 +18,7 @@ only: every later status belongs to the sampler, the ledger and pipelines.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import Counter
@@ -141,18 +142,36 @@ async def write_groups(
 
 
 async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status: str) -> None:
-    """COPY the data rows (checked and encoded as asyncpg reads them), then the state rows of
-    the groups that passed; a bad group in "raise" mode ends the data and raises here (the
-    caller's transaction rolls back)."""
+    """COPY the rows chunk by chunk: each chunk's data rows, then its state rows, one COPY
+    each, while Python checks and encodes the next chunk (asyncpg sends a COPY's rows 512 KB at
+    a time, so one COPY of a 512-row call, ~1 MB, started the server only once half of Python's
+    work was done). A bad group in "raise" mode ends the stream and raises here once the COPYs
+    already sent are done (the caller's transaction rolls back); a COPY the server refuses
+    raises its error."""
     raw = (await conn.get_raw_connection()).driver_connection
     data_table, state_table = _tables(stream)
     await raw.execute(f"SELECT {REUSE_PLANS}")  # the keys each row checks, and the group trigger
-    await raw.copy_records_to_table(data_table, columns=COPY_DATA_COLUMNS,
-                                    records=stream.data_records(ids))
+    copies: asyncio.Queue = asyncio.Queue()
+
+    async def run_copies() -> None:
+        while (copy := await copies.get()) is not None:
+            table, columns, records = copy
+            await raw.copy_records_to_table(table, columns=columns, records=records)
+
+    copying = asyncio.ensure_future(run_copies())
+    try:
+        async for data, state in stream.chunks(ids, status):
+            if copying.done():
+                break  # the server refused a COPY: awaited below, it raises
+            copies.put_nowait((data_table, COPY_DATA_COLUMNS, data))
+            copies.put_nowait((state_table, COPY_STATE_COLUMNS, state))
+        copies.put_nowait(None)
+        await copying
+    finally:
+        if not copying.done():
+            copying.cancel()
     if stream.error is not None:
         raise stream.error
-    await raw.copy_records_to_table(state_table, columns=COPY_STATE_COLUMNS,
-                                    records=stream.state_records(ids, status))
 
 
 def _tables(stream: "_Stream") -> tuple[str, str]:
@@ -175,8 +194,8 @@ class _Admitted:
 
 
 class _Stream:
-    """The admitted groups, checked row by row and encoded while the server takes the COPY:
-    the server inserts one chunk while Python checks the next."""
+    """The admitted groups, checked row by row and encoded a chunk at a time while the server
+    takes the COPYs of the chunk before."""
 
     CHUNK_GROUPS = 16  # values are checked in one vectorised pass per chunk
 
@@ -187,23 +206,23 @@ class _Stream:
         self.accepted: list[_CheckedGroup] = []
         self.error: ExperienceInvalid | None = None
 
-    def data_records(self, ids: list[int]):
+    async def chunks(self, ids: list[int], status: str):
+        """(data records, state records) of each chunk's passing groups, the ids in order."""
         next_id = iter(ids)
         for start in range(0, len(self.admitted), self.CHUNK_GROUPS):
-            passing = self._check(self.admitted[start:start + self.CHUNK_GROUPS])
+            passing = await self._check(self.admitted[start:start + self.CHUNK_GROUPS])
             if passing is None:
-                return  # "raise": the first bad group ends the COPY; _copy raises it
+                return  # "raise": the first bad group ends the stream; _copy raises it
+            data, state = [], []
             for group in passing:
                 self.accepted.append(group)
-                for row in group.shaped.encode():  # parent_id last: its run follows
-                    yield (next(next_id), group.run_id) + row + (self.parent_runs.get(row[-1]),)
-
-    def state_records(self, ids: list[int], status: str):
-        next_id = iter(ids)
-        for group in self.accepted:
-            version = int(group.shaped.group[0].policy_version)
-            for index in range(len(group.shaped.rows)):
-                yield next(next_id), group.run_id, group.group_id, index, version, status
+                version = int(group.shaped.group[0].policy_version)
+                for index, row in enumerate(group.shaped.encode()):  # parent_id last
+                    row_id = next(next_id)
+                    data.append((row_id, group.run_id) + row + (self.parent_runs.get(row[-1]),))
+                    state.append((row_id, group.run_id, group.group_id, index, version, status))
+            if data:
+                yield data, state
 
     def rows_per_run(self) -> Counter:
         counts: Counter = Counter()
@@ -211,8 +230,9 @@ class _Stream:
             counts[group.run_id] += len(group.shaped.rows)
         return counts
 
-    def _check(self, chunk: list[_Admitted]) -> list[_CheckedGroup] | None:
-        """The chunk's groups that pass; None once a bad group was found in "raise" mode."""
+    async def _check(self, chunk: list[_Admitted]) -> list[_CheckedGroup] | None:
+        """The chunk's groups that pass; None once a bad group was found in "raise" mode.
+        Between groups the COPY of the chunk before goes on (its I/O is served)."""
         shaped = []
         for group in chunk:
             try:
@@ -221,6 +241,7 @@ class _Stream:
             except ExperienceInvalid as exc:
                 if not self._reject(exc):
                     return None
+            await asyncio.sleep(0)
         if values_ok([row for group in shaped for row in group.shaped.rows]):
             return shaped
         passing = []
