@@ -360,3 +360,65 @@ def test_group_ids_of_a_populated_store_go_into_one_table_kept_by_the_server(new
         assert conn.execute(text("SELECT to_regclass('experience_groups')")).scalar() is None
     with engine.begin() as conn:  # the trigger went with it
         conn.execute(insert, {"run": 2, "g": "b"})
+
+
+GROUP_TRIGGERS = """
+SELECT tgrelid::regclass::text, tgname FROM pg_trigger
+WHERE tgname IN ('experience_group_add', 'experience_groups_add') ORDER BY 1, 2"""
+
+
+def test_group_ids_are_added_once_a_statement_on_every_path(new_database, engines):
+    """Migration 0016 on a populated store: the row trigger of 0015 becomes a statement trigger
+    on experience_state and on each run's state partition (a run created later gets its own);
+    a group written through the view, straight into a partition, or into the parent adds its
+    id, a taken id is refused on each path; the downgrade brings the row trigger back."""
+    engine = engines(new_database())
+    migrate.upgrade(engine, "0012")
+    with engine.begin() as conn:
+        conn.execute(text(POPULATED_0012))
+    migrate.upgrade(engine, "0016")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name, group_size) VALUES (3, 'three', 2)"))
+        triggers = conn.execute(text(GROUP_TRIGGERS)).all()
+    assert triggers == [(table, "experience_groups_add") for table in
+                        ("experience_state", "experience_state_r1", "experience_state_r2",
+                         "experience_state_r3")]
+    view = ("INSERT INTO experiences (run_id, group_id, group_row, policy_version, prompt_text, "
+            "response_text, prompt_ids, response_ids, reward) VALUES "
+            "({run}, md5('{g}')::uuid, 0, 0, 'p', 'r', '\\x', '\\x', 0)")
+    data = ("INSERT INTO {data} (id, run_id, prompt_text, response_text, prompt_ids, "
+            "response_ids, reward) VALUES ({id}, {run}, 'p', 'r', '\\x', '\\x', 0)")
+    state = ("INSERT INTO {state} (id, run_id, group_id, group_row, policy_version) "
+             "VALUES ({id}, {run}, md5('{g}')::uuid, {row}, 0)")
+    paths = {  # each writes group g of run 3 (two rows, one of them row 0)
+        "view": lambda g, id: [view.format(run=3, g=g)],
+        "partition": lambda g, id: [  # one statement of two state rows, as the writer's COPY
+            data.format(data="experience_data_r3", id=id, run=3),
+            data.format(data="experience_data_r3", id=id + 1, run=3),
+            state.format(state="experience_state_r3", id=id, run=3, g=g, row=0)
+            + f", ({id + 1}, 3, md5('{g}')::uuid, 1, 0)"],
+        "parent": lambda g, id: [data.format(data="experience_data", id=id, run=3),
+                                 state.format(state="experience_state", id=id, run=3, g=g,
+                                              row=0)],
+    }
+    for n, (path, statements) in enumerate(paths.items()):
+        with engine.begin() as conn:
+            for statement in statements(f"new-{path}", 100 + 10 * n):
+                conn.execute(text(statement))
+        with pytest.raises(Exception, match="experience_groups_pkey"):
+            with engine.begin() as conn:  # group 'a' is run 1's
+                for statement in statements("a", 200 + 10 * n):
+                    conn.execute(text(statement))
+    with engine.connect() as conn:
+        added = conn.execute(text(
+            "SELECT g.run_id, count(*) FROM experience_groups g JOIN experience_state s "
+            "USING (group_id) WHERE s.group_row = 0 AND s.run_id = 3 GROUP BY 1")).all()
+    assert added == [(3, 3)]
+    migrate.downgrade(engine, "0015")
+    with engine.connect() as conn:
+        assert conn.execute(text(GROUP_TRIGGERS)).all() == [
+            ("experience_state", "experience_group_add")] + [
+            (f"experience_state_r{run}", "experience_group_add") for run in (1, 2, 3)]
+    with pytest.raises(Exception, match="experience_groups_pkey"):
+        with engine.begin() as conn:
+            conn.execute(text(view.format(run=3, g="a")))

@@ -29,6 +29,18 @@ branch_labels = None
 depends_on = None
 
 
+# The trigger that adds a group's id (replaced by a statement trigger in 0016).
+ROW_TRIGGER = """
+CREATE FUNCTION experience_group_add() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO experience_groups (group_id, run_id) VALUES (NEW.group_id, NEW.run_id);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER experience_group_add AFTER INSERT ON experience_state FOR EACH ROW
+    WHEN (NEW.group_row = 0) EXECUTE FUNCTION experience_group_add();
+"""
+
+
 def upgrade() -> None:
     op.execute("""
         CREATE TABLE experience_groups (
@@ -39,13 +51,7 @@ def upgrade() -> None:
         INSERT INTO experience_groups (group_id, run_id)
         SELECT DISTINCT ON (group_id) group_id, run_id FROM experience_state
         WHERE group_row = 0 ORDER BY group_id, run_id;
-        CREATE FUNCTION experience_group_add() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            INSERT INTO experience_groups (group_id, run_id) VALUES (NEW.group_id, NEW.run_id);
-            RETURN NULL;
-        END $$;
-        CREATE TRIGGER experience_group_add AFTER INSERT ON experience_state FOR EACH ROW
-            WHEN (NEW.group_row = 0) EXECUTE FUNCTION experience_group_add();
+        """ + ROW_TRIGGER + """
         COMMENT ON TABLE experience_groups IS
           'Every group id, with its run: a group id names one group of one run.';""")
 

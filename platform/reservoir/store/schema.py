@@ -187,7 +187,8 @@ experience_state = Table(
 )
 
 # Every group's id, with its run (migration 0015): a group id names one group of one run. A
-# trigger on experience_state adds a group's id when its row 0 is inserted, however it comes.
+# statement trigger on experience_state and on each run's state partition (0016) adds the ids
+# of the groups whose row 0 a statement inserted, however they come.
 experience_groups = Table(
     "experience_groups",
     metadata,
