@@ -213,6 +213,15 @@ INSERT INTO preferences (id, run_id, chosen_id, rejected_id) VALUES (1, 1, 1, 2)
 INSERT INTO review_actions (reviewer, action, source, experience_id, review_id)
 VALUES ('ann', 'accept', 'cli', 3, 1);
 """
+
+
+def populate_at_0012(engine) -> None:
+    """The store at 0012, holding POPULATED_0012."""
+    migrate.upgrade(engine, "0012")
+    with engine.begin() as conn:
+        conn.execute(text(POPULATED_0012))
+
+
 NAMING = {"batch_items": "experience_id", "operator_events": "experience_id",
           "reviews": "experience_id", "review_actions": "experience_id"}
 
@@ -223,9 +232,7 @@ def test_a_populated_store_moves_into_partitions_by_run_and_back(new_database, e
     parent of another run too), the keys hold, and the downgrade gives the rows back."""
     url = new_database()
     engine = engines(url)
-    migrate.upgrade(engine, "0012")
-    with engine.begin() as conn:
-        conn.execute(text(POPULATED_0012))
+    populate_at_0012(engine)
     read = "SELECT * FROM experiences ORDER BY id"
     with engine.connect() as conn:
         before = [dict(row) for row in conn.execute(text(read)).mappings()]
@@ -284,9 +291,7 @@ def test_keys_name_the_run_s_partitions_and_the_ledger_moves_into_them(new_datab
     parents); the ledger rows move into the runs' partitions; the keys refuse what the parent
     keys refused; the downgrade gives the ledger back."""
     engine = engines(new_database())
-    migrate.upgrade(engine, "0012")
-    with engine.begin() as conn:
-        conn.execute(text(POPULATED_0012))
+    populate_at_0012(engine)
     migrate.upgrade(engine, "0014")
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO runs (id, name) VALUES (3, 'three')"))
@@ -329,9 +334,7 @@ def test_group_ids_of_a_populated_store_go_into_one_table_kept_by_the_server(new
     with the earlier run; new groups are added by the server, a taken id is refused; the
     downgrade removes the table and its trigger."""
     engine = engines(new_database())
-    migrate.upgrade(engine, "0012")
-    with engine.begin() as conn:
-        conn.execute(text(POPULATED_0012))
+    populate_at_0012(engine)
     migrate.upgrade(engine, "0014")
     with engine.begin() as conn:  # run 2 takes group 'a' of run 1 again
         conn.execute(text("INSERT INTO experiences (run_id, group_id, group_row, policy_version, "
@@ -373,9 +376,7 @@ def test_group_ids_are_added_once_a_statement_on_every_path(new_database, engine
     a group written through the view, straight into a partition, or into the parent adds its
     id, a taken id is refused on each path; the downgrade brings the row trigger back."""
     engine = engines(new_database())
-    migrate.upgrade(engine, "0012")
-    with engine.begin() as conn:
-        conn.execute(text(POPULATED_0012))
+    populate_at_0012(engine)
     migrate.upgrade(engine, "0016")
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO runs (id, name, group_size) VALUES (3, 'three', 2)"))
