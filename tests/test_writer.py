@@ -350,6 +350,29 @@ def test_database_failure_is_a_store_error(seeded):
         seeded.write_groups([make_group("r", seed=2, task_id=999_999)])
 
 
+def test_a_connection_the_server_ends_mid_write_is_one_line_and_writes_nothing(seeded):
+    """The server ends the writer's connection inside its transaction (here the backend ends
+    itself before the COPYs): one line that says the connection was lost, nothing written,
+    and the next write gets a new connection. The message used to be SQLAlchemy's error about
+    the rollback that could not run, over two lines."""
+    from sqlalchemy import text as sql
+
+    async def end_own_backend(conn) -> None:
+        await conn.execute(sql("SELECT pg_terminate_backend(pg_backend_pid())"))
+
+    before = counts(seeded)
+    with pytest.raises(StoreError) as info:
+        seeded.write_groups([make_group("r", seed=i) for i in range(20)],
+                            before_copy=end_own_backend)
+    message = str(info.value)
+    assert "\n" not in message and "connection to the database was lost" in message, message
+    assert message.startswith("writing 20 groups failed in the database; nothing of this "
+                              "batch was written"), message
+    assert counts(seeded) == before
+    seeded.write_groups([make_group("r", seed=50)])
+    assert counts(seeded) == (before[0] + 4, before[1] + 4)
+
+
 BAD_LATE = {"value": dict(reward=math.nan), "database": dict(task_id=999_999)}
 
 

@@ -32,12 +32,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from reservoir.config import SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
-from reservoir.store import partitions, runs
+from reservoir.store import partitions, retry, runs
 from reservoir.store.engine import REUSE_PLANS
 from reservoir.store.flow import RateLimit
 from reservoir.store.notify import AsyncWake, rows_channel
 from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check_group_shape,
                                      shape_group, values_ok)
+from reservoir.store.usersql import describe
 
 COPY_DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS + ("parent_run_id",)
 COPY_STATE_COLUMNS = ("id", "run_id", "group_id", "group_row", "policy_version", "status")
@@ -133,8 +134,11 @@ async def write_groups(
         raise StoreError(f"a group id of this batch was written by another writer meanwhile "
                          f"({exc.constraint_name}); nothing of this batch was written") from None
     except (asyncpg.PostgresError, DBAPIError) as exc:
+        reason = describe(getattr(exc, "orig", None) or exc)  # the driver's first line
+        if retry.is_outage(exc):
+            reason = f"the connection to the database was lost ({reason})"
         raise StoreError(f"writing {len(admitted)} groups failed in the database; nothing of "
-                         f"this batch was written: {exc}") from exc
+                         f"this batch was written: {reason}") from exc
     result.group_ids = [group.group_id for group in stream.accepted]
     result.groups, result.rows = len(stream.accepted), sum(n for _, n in written)
     result.rejected.sort(key=lambda exc: exc.group_index)
