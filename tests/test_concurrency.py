@@ -7,11 +7,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from sqlalchemy import func, select
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import IntegrityError
 
+from reservoir.errors import StoreError
+from reservoir.store import ledger
 from reservoir.store.schema import batch_items, experiences
 from tests.factories import fill
 
@@ -70,3 +75,64 @@ def test_sigkill_while_holding_a_lease_loses_nothing(store, db_url):
     store.commit_step(back, step=1, policy_version=0)
     with store.engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(batch_items)).scalar() == 10
+
+
+def _waiting_for_a_lock(store, timeout: float = 5.0) -> bool:
+    """Whether another session waits for a lock, within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    with store.engine.connect() as conn:
+        while time.monotonic() < deadline:
+            if conn.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar():
+                return True
+            time.sleep(0.02)
+    return False
+
+
+def _delete_in_thread(store, statement: str) -> tuple[threading.Thread, list]:
+    outcome: list = []
+
+    def delete() -> None:
+        try:
+            with store.engine.begin() as conn:
+                conn.execute(text(statement))
+            outcome.append("deleted")
+        except Exception as exc:  # reported to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=delete)
+    thread.start()
+    return thread, outcome
+
+
+DANGLING = text("""SELECT count(*) FROM batch_items b WHERE NOT EXISTS
+    (SELECT FROM experience_state s WHERE s.run_id = b.run_id AND s.id = b.experience_id)""")
+
+
+def test_a_step_recorded_while_its_experience_is_deleted_leaves_no_dangling_row(store):
+    """The ledger's keys are statement triggers (migration 0017), which lock no row they check:
+    a delete of an experience waits for the ledger writes in flight, then takes their rows with
+    it; a ledger write that starts after the delete finds the experience gone."""
+    store.create_run("r")
+    fill(store, "r", 1)
+    with store.engine.connect() as recording:  # a step on stored rows, not committed yet
+        with recording.begin():
+            ledger.record_step(recording, store.aio.run_ids("r")[0], 1, policy_version=0,
+                               metrics={}, experience_ids=[1, 2])
+            thread, outcome = _delete_in_thread(store, "DELETE FROM experiences WHERE id = 1")
+            assert _waiting_for_a_lock(store), "the delete did not wait for the ledger write"
+        thread.join(10)
+    with store.engine.connect() as conn:
+        left = conn.execute(select(batch_items.c.experience_id)).scalars().all()
+        assert outcome == ["deleted"] and left == [2]
+        assert conn.execute(DANGLING).scalar() == 0
+    thread, outcome = _delete_in_thread(store, "DELETE FROM experiences WHERE id = 2; "
+                                               "SELECT pg_sleep(0.5)")
+    time.sleep(0.25)  # the delete is done, not committed: the ledger write waits for it
+    with pytest.raises((StoreError, IntegrityError),
+                       match="1 experience ids, 0 of them|experience 2 of run 1 is not in"):
+        with store.engine.begin() as recording:
+            ledger.record_step(recording, store.aio.run_ids("r")[0], 2, policy_version=0,
+                               metrics={}, experience_ids=[2])
+    thread.join(10)
+    with store.engine.connect() as conn:
+        assert outcome == ["deleted"] and conn.execute(DANGLING).scalar() == 0

@@ -423,3 +423,88 @@ def test_group_ids_are_added_once_a_statement_on_every_path(new_database, engine
     with pytest.raises(Exception, match="experience_groups_pkey"):
         with engine.begin() as conn:
             conn.execute(text(view.format(run=3, g="a")))
+
+
+LEDGER_TRIGGERS = """
+SELECT tgrelid::regclass::text, tgname FROM pg_trigger
+WHERE tgname IN ('batch_items_keys', 'batch_items_keys_update', 'batch_items_unlink',
+                 'ledger_ids_kept') ORDER BY 1, 2"""
+LEDGER_KEYS = """
+SELECT conrelid::regclass::text, confrelid::regclass::text FROM pg_constraint
+WHERE contype = 'f' AND conparentid = 0 AND conrelid::regclass::text ~ '^batch_items'
+ORDER BY 1"""
+
+
+def _refused(engine, statement: str) -> str:
+    """The SQLSTATE of the error a statement fails with (nothing of it is written)."""
+    with pytest.raises(Exception) as raised:
+        with engine.begin() as conn:
+            conn.execute(text(statement))
+    return raised.value.orig.pgcode
+
+
+def test_the_ledger_s_keys_hold_once_a_statement_on_every_path(new_database, engines):
+    """Migration 0017 on a populated store: the ledger's foreign keys become statement triggers
+    on batch_items, experience_state (each with every partition, a run created later too) and
+    train_steps. They refuse what the keys refused, through the parent and straight into a
+    partition; they delete what the keys' ON DELETE CASCADE deleted; an id the ledger names
+    does not change; the downgrade gives the keys back."""
+    engine = engines(new_database())
+    populate_at_0012(engine)
+    migrate.upgrade(engine, "0017")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (3, 'three')"))
+        keys = conn.execute(text(LEDGER_KEYS)).all()
+        triggers = conn.execute(text(LEDGER_TRIGGERS)).all()
+    assert keys == []
+    assert triggers == sorted(
+        [(table, name) for table in ("batch_items", "batch_items_r1", "batch_items_r2",
+                                     "batch_items_r3")
+         for name in ("batch_items_keys", "batch_items_keys_update")]
+        + [(table, name) for table in ("experience_state", "experience_state_r1",
+                                       "experience_state_r2", "experience_state_r3", "train_steps")
+           for name in ("batch_items_unlink", "ledger_ids_kept")])
+    item = ("INSERT INTO {table} (train_step_id, run_id, experience_id, policy_version) "
+            "VALUES ({step}, {run}, {experience}, 0)")
+    refusals = [  # (statement, SQLSTATE): 23503 foreign_key_violation, 23514 check_violation
+        (item.format(table="batch_items", step=9, run=1, experience=2), "23503"),
+        (item.format(table="batch_items", step=1, run=1, experience=4), "23503"),  # run 2's
+        (item.format(table="batch_items_r1", step=1, run=1, experience=99), "23503"),
+        (item.format(table="batch_items_r1", step=9, run=1, experience=2), "23503"),
+        ("UPDATE batch_items SET experience_id = 99", "23503"),
+        ("UPDATE batch_items_r1 SET train_step_id = 9", "23503"),
+        ("UPDATE experience_state SET id = id", "23514"),
+        ("UPDATE experience_state_r1 SET run_id = run_id", "23514"),
+        ("UPDATE train_steps SET id = id", "23514"),
+    ]
+    assert [_refused(engine, statement) for statement, _ in refusals] == [
+        code for _, code in refusals]
+    ledger = "SELECT train_step_id, run_id, experience_id FROM batch_items ORDER BY 1, 3"
+    with engine.begin() as conn:  # allowed: a row straight into the partition, a step of run 2
+        conn.execute(text(item.format(table="batch_items_r1", step=1, run=1, experience=2)))
+        conn.execute(text("INSERT INTO train_steps (id, run_id, step, policy_version, "
+                          "n_experiences) VALUES (2, 2, 1, 0, 2)"))
+        conn.execute(text(item.format(table="batch_items", step=2, run=1, experience=3)
+                          + ", (2, 2, 4, 0)"))
+        assert conn.execute(text(ledger)).all() == [(1, 1, 1), (1, 1, 2), (2, 1, 3), (2, 2, 4)]
+    deletes = {  # what each delete leaves of the ledger
+        "DELETE FROM experiences WHERE id = 1": [(1, 1, 2), (2, 1, 3), (2, 2, 4)],
+        "DELETE FROM experience_state_r1 WHERE id IN (2, 3)": [(1, 1, 1), (2, 2, 4)],
+        "DELETE FROM train_steps WHERE id = 1": [(2, 1, 3), (2, 2, 4)],
+        "DELETE FROM runs WHERE id = 2": [(1, 1, 1), (1, 1, 2)],  # its step's row in run 1's
+    }
+    for statement, left in deletes.items():
+        with engine.begin() as conn:
+            conn.execute(text(statement))
+            assert conn.execute(text(ledger)).all() == left, statement
+            conn.rollback()
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM batch_items WHERE train_step_id = 2; "
+                          "DELETE FROM train_steps WHERE id = 2"))
+    migrate.downgrade(engine, "0016")
+    with engine.connect() as conn:
+        assert conn.execute(text(LEDGER_KEYS)).all() == [
+            ("batch_items", "train_steps")] + [
+            (f"batch_items_r{run}", f"experience_state_r{run}") for run in (1, 2, 3)]
+        assert conn.execute(text(LEDGER_TRIGGERS)).all() == []
+    assert _refused(engine, item.format(table="batch_items", step=1, run=1, experience=4)) == "23503"

@@ -2,31 +2,45 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from typing import Any, Sequence
 
+import asyncpg
 from sqlalchemy import Connection, bindparam, cast, func, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.types import BigInteger, Float
 
 from reservoir.errors import LeaseLost, StoreError
 from reservoir.store.engine import REUSE_PLANS
+from reservoir.store.prepared import Prepared
 from reservoir.store.sampler import Lease
 from reservoir.store.schema import batch_items, batch_pairs, preferences, train_steps
 
-# One statement: the lease's rows become consumed, the step row is inserted, and one ledger row
-# per consumed experience joins the two. It returns the step's id and how many ledger rows it
-# wrote (one row: a result of 256 rows cost the client more than the server's inserts). It is
-# planned for its runs; the two keys each ledger row checks at its end reuse their plans.
-COMMIT_STEP = text(f"""
+LEASE_LOST = "RS001"  # the SQLSTATE lease_consumed raises (migration 0018)
+
+
+@functools.lru_cache(maxsize=256)
+def commit_statement(run_ids: tuple[int, ...]):
+    """The step commit of a lease of these runs: one statement, committed alone.
+
+    The lease's rows become consumed, the step row is inserted, and one ledger row per consumed
+    experience joins the two; lease_consumed (migration 0018) fails the whole statement unless
+    every leased row was consumed. It returns the step's id (one row: a result of 256 rows cost
+    the client more than the server's inserts). The runs' ids are written into the SQL (integers
+    from the runs table), so its plan, kept by the connection, reads only their partitions; the
+    key check of the step row (to runs) reuses its plan.
+    """
+    runs = ", ".join(str(int(run_id)) for run_id in run_ids)
+    return text(f"""
 WITH consumed AS (
     UPDATE experience_state
     SET status = 'consumed', times_sampled = times_sampled + 1,
         lease_token = NULL, leased_until = NULL
-    WHERE run_id = ANY(:run_ids) AND lease_token = :token
+    WHERE run_id IN ({runs}) AND lease_token = :token
     RETURNING id, run_id
 ), step AS (
     INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
@@ -41,14 +55,19 @@ WITH consumed AS (
     FROM consumed JOIN weighted ON weighted.experience_id = consumed.id CROSS JOIN step
     RETURNING train_step_id
 )
-SELECT (SELECT id FROM step), (SELECT count(*) FROM items), {REUSE_PLANS}
+SELECT (SELECT id FROM step), lease_consumed((SELECT count(*) FROM items), :n_experiences, :token),
+       {REUSE_PLANS}, set_config('synchronous_commit', 'on', true)
 """).bindparams(
-    bindparam("token", type_=UUID(as_uuid=True)),
-    bindparam("metrics", type_=JSONB),
-    bindparam("ids", type_=ARRAY(BigInteger)),
-    bindparam("run_ids", type_=ARRAY(BigInteger)),
-    bindparam("weights", type_=ARRAY(Float)),
-)
+        bindparam("token", type_=UUID(as_uuid=True)),
+        bindparam("metrics", type_=JSONB),
+        bindparam("ids", type_=ARRAY(BigInteger)),
+        bindparam("weights", type_=ARRAY(Float)),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _prepared_commit(run_ids: tuple[int, ...]) -> Prepared:
+    return Prepared(commit_statement(run_ids))
 
 
 # A step's ledger rows for experiences it read without a lease (their runs from the store).
@@ -71,7 +90,7 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
                       weights: Sequence[float] | None = None, stage: str | None = None) -> int:
     """Record `step` (of `stage`) as trained on the lease's rows; returns the train_steps id.
 
-    In one transaction: the leased rows become `consumed` (times_sampled + 1), a train_steps
+    In one statement: the leased rows become `consumed` (times_sampled + 1), a train_steps
     row is inserted, and one batch_items row per experience records the policy version the
     trainer held and the row's weight. If any row's lease was lost (expired and reclaimed) or
     the step already exists, nothing is written and LeaseLost / StoreError is raised.
@@ -80,24 +99,26 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
     if weights is not None and len(weights) != len(ids):
         raise StoreError(f"commit_step: {len(weights)} weights for {len(ids)} leased rows")
     params = dict(token=lease.token, run_id=run_id, step=step, policy_version=policy_version,
-                  loss=loss, metrics=finite(metrics or {}), n_experiences=len(ids), ids=ids,
-                  stage=stage, run_ids=list(lease.run_ids),
+                  loss=loss, metrics=json.dumps(finite(metrics or {})), n_experiences=len(ids),
+                  ids=ids, stage=stage,
                   weights=[float(w) for w in weights] if weights is not None else [1.0] * len(ids))
-    async with engine.begin() as conn:
+    async with engine.connect() as conn:  # the statement commits alone
         try:
-            step_id, written, _ = (await conn.execute(COMMIT_STEP, params)).one()
-        except IntegrityError as exc:
-            if "train_steps_run_step" in str(exc.orig):
-                raise StoreError(f"step {step} of run id {run_id} is already committed; "
-                                 "nothing was consumed") from exc
-            raise StoreError(f"step {step} could not be committed; nothing was consumed: "
-                             f"{exc.orig}") from exc
-        if written != len(ids):
-            await conn.rollback()
-            raise LeaseLost(
-                f"step {step}: lease {lease.token} holds {written} of its {len(ids)} rows "
-                "(it expired and was reclaimed); nothing was consumed, lease a new batch")
+            [(step_id, _, _, _)] = await _prepared_commit(lease.run_ids).fetch(conn, params)
+        except asyncpg.PostgresError as exc:
+            raise _commit_error(exc, step, run_id) from exc
     return step_id
+
+
+def _commit_error(exc: asyncpg.PostgresError, step: int, run_id: int) -> Exception:
+    """What a failed step commit tells its caller; nothing was consumed."""
+    first_line = str(exc).splitlines()[0]
+    if exc.sqlstate == LEASE_LOST:
+        return LeaseLost(f"step {step}: {first_line}; nothing was consumed, lease a new batch")
+    if getattr(exc, "constraint_name", None) == "train_steps_run_step":
+        return StoreError(f"step {step} of run id {run_id} is already committed; nothing was "
+                          "consumed")
+    return StoreError(f"step {step} could not be committed; nothing was consumed: {first_line}")
 
 
 def record_step(conn: Connection, run_id: int, step: int, *, policy_version: int,
@@ -129,7 +150,8 @@ def add_step_metrics(conn: Connection, run_id: int, step: int, metrics: dict[str
 
 def step_experiences(conn: Connection, run_id: int, step: int) -> list[int]:
     """Ids of the experiences a committed step trained on, in id order."""
-    stmt = (select(batch_items.c.experience_id).join(train_steps)
+    stmt = (select(batch_items.c.experience_id)
+            .join(train_steps, train_steps.c.id == batch_items.c.train_step_id)
             .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
             .order_by(batch_items.c.experience_id))
     return list(conn.execute(stmt).scalars())

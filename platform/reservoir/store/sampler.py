@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import json
 import time
 import uuid
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 from sqlalchemy import (BigInteger, Integer, Interval, Text, and_, bindparam, case, exists, func, literal,
-                        literal_column, select, text, true, update)
+                        literal_column, select, text, true, union_all, update)
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -27,6 +28,7 @@ from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
 from reservoir.store import codec, runs
 from reservoir.store.flow import RateLimit
 from reservoir.store.notify import NOTIFY_ROWS, AsyncWake, rows_channel
+from reservoir.store.prepared import Prepared
 from reservoir.store.schema import EXPERIENCE_STATUSES, experience_data as d
 from reservoir.store.schema import experience_state as e
 from reservoir.store.schema import runs as runs_table
@@ -37,6 +39,7 @@ from reservoir.store.schema import runs as runs_table
 # them: people may take days, so the rest of its group trains as a partial group (the lease
 # reports it, the step's metrics count it).
 SETTLING = ("raw", "leased")
+RECLAIM_LIMIT = 10_000  # expired rows a statement hands back
 # fifo / lifo order by insertion time, then id: only the partial index experience_state_ready
 # (run_id, created_at, id) WHERE status = 'ready' serves that order, so the planner cannot pick
 # a primary-key scan that walks every consumed row ahead of the ready ones.
@@ -120,7 +123,8 @@ class Lease:
 
 
 class _NotYet(Exception):
-    """Roll the lease transaction back and wait: the reason says why."""
+    """Roll the lease transaction back and wait: the reason says why (None: too few rows or
+    groups to lease)."""
 
 
 _mates = e.alias("mates")
@@ -137,34 +141,35 @@ def _returned(leased, group_rows):
             leased.c.leased_until)
 
 
-def _of_runs(table):
-    """`run_id IN (the lease's runs)`, bound at execution. Each table a lease reads says it, so
-    the server plans and locks only those runs' partitions: a join on run_id alone (to the
-    data, to a group's other rows) reads through the parent, and on a store of 200 runs the
-    lease took 6.5 times as long as on a store of one."""
-    return table.c.run_id.in_(bindparam("run_ids", type_=BigInteger, expanding=True))
+def _of_runs(table, run_ids: tuple[int, ...]):
+    """`run_id IN (the lease's runs)`, the ids written into the SQL (integers from the runs
+    table). Each table a lease reads says it, so the server plans and locks only those runs'
+    partitions: a join on run_id alone (to the data, to a group's other rows) reads through the
+    parent, and on a store of 200 runs the lease took 6.5 times as long as on a store of one."""
+    return table.c.run_id.in_([literal_column(str(int(run_id))) for run_id in run_ids])
 
 
-def _group_rows(rows, *, of_runs: bool = False):
+def _group_rows(rows, run_ids: tuple[int, ...] | None = None):
     """How many rows the group of each of `rows` has in the store, whatever their status."""
     same_group = and_(_mates.c.group_id == rows.c.group_id, _mates.c.run_id == rows.c.run_id,
-                      _of_runs(_mates) if of_runs else true())
+                      _of_runs(_mates, run_ids) if run_ids else true())
     return select(func.count()).where(same_group).scalar_subquery()
 
 
-def _with_data(leased):
+def _with_data(leased, reclaimed, run_ids: tuple[int, ...]):
     """Statement: the leased rows joined to their data and to their groups' sizes (counted
-    once a group: a lease of 256 rows holds ~32 groups), with the sampled counter updated."""
+    once a group: a lease of 256 rows holds ~32 groups), with the sampled counter updated for
+    the rows leased and the rows reclaimed."""
     groups = select(leased.c.run_id, leased.c.group_id).distinct().cte("leased_groups")
     sizes = (select(groups.c.run_id, groups.c.group_id,
-                    _group_rows(groups, of_runs=True).label("n"))
+                    _group_rows(groups, run_ids).label("n"))
              .cte("sizes").prefix_with("MATERIALIZED"))  # else inlined: a count a row again
-    same_row = and_(d.c.run_id == leased.c.run_id, d.c.id == leased.c.id, _of_runs(d))
+    same_row = and_(d.c.run_id == leased.c.run_id, d.c.id == leased.c.id, _of_runs(d, run_ids))
     return (select(*_returned(leased, sizes.c.n))
             .join_from(leased, d, same_row)
             .join(sizes, and_(sizes.c.run_id == leased.c.run_id,
                               sizes.c.group_id == leased.c.group_id))
-            .add_cte(count_sampled(leased, 1)))
+            .add_cte(count_sampled((leased, 1), (reclaimed, -1))))
 
 
 RETURNED = _returned(e, _group_rows(e))
@@ -189,12 +194,15 @@ def _eligible(table, flow: SamplerConfig):
                 table.c.times_sampled < flow.max_times_sampled)
 
 
-def count_sampled(source, sign: int):
-    """A CTE that adds (sign = 1) or takes back (-1) the source CTE's rows in runs.rows_sampled."""
-    per_run = (select(source.c.run_id, func.count().label("n"))
-               .group_by(source.c.run_id).cte("per_run"))
+def count_sampled(*moves):
+    """A CTE that adds to runs.rows_sampled the rows of each (CTE, sign) pair: +1 a row leased,
+    -1 a row given back. One update a run: a statement changes a row once."""
+    signed = union_all(*(select(source.c.run_id, literal(sign).label("n"))
+                         for source, sign in moves)).subquery("signed")
+    per_run = (select(signed.c.run_id, func.sum(signed.c.n).label("n"))
+               .group_by(signed.c.run_id).cte("per_run"))
     return (update(runs_table).where(runs_table.c.id == per_run.c.run_id)
-            .values(rows_sampled=runs_table.c.rows_sampled + sign * per_run.c.n)
+            .values(rows_sampled=runs_table.c.rows_sampled + per_run.c.n)
             .returning(runs_table.c.id).cte("counted"))
 
 
@@ -207,34 +215,70 @@ def _version_floor(flow: SamplerConfig, explicit_floor: bool):
 
 
 @functools.lru_cache(maxsize=256)
-def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool):
-    """The lease statement for a unit ("rows" or "groups") and flow settings, built once.
+def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool,
+                    run_ids: tuple[int, ...]):
+    """The lease statement for a unit ("rows" or "groups"), flow settings and runs, built once.
 
-    Bound at execution: run_ids, n (rows or groups), token, lease_for (an interval) and, with
+    One statement does a lease's work: the runs' expired leases go back, then `n` rows or
+    groups are picked and leased, but only if at least `wanted` of them were found (else none
+    is, and the statement returns no row), and the sampled counter follows both.
+
+    Bound at execution: n (rows or groups), wanted, token, lease_for (an interval) and, with
     explicit_floor, min_version.
     """
-    of_runs = _of_runs(e)
-    where = and_(of_runs, _eligible(e, flow), _version_floor(flow, explicit_floor))
+    of_runs = _of_runs(e, run_ids)
     lease_values = dict(status="leased", lease_token=bindparam("token", type_=UUID(as_uuid=True)),
                         leased_until=func.now() + bindparam("lease_for", type_=Interval))
+    reclaimed = _give_back(and_(of_runs, _expired(of_runs))).cte("reclaimed")
+    picked = _picked(unit, flow, explicit_floor, run_ids).cte("picked")
     if unit == "rows":
-        picked = (select(e.c.id).where(where).order_by(*ORDERS[flow.order])
-                  .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
-        leased = (update(e).where(of_runs, e.c.id == _any_of(select(picked.c.id)))
-                  .values(**lease_values)
-                  .returning(*STATE_RETURNED).cte("leased"))
-        return _with_data(leased)
-    other = e.alias("other")
-    leader = ~exists().where(
-        other.c.group_id == e.c.group_id, other.c.run_id == e.c.run_id, _of_runs(other),
-        status_in(other.c.status, SETTLING)
-        | and_(other.c.group_row < e.c.group_row, _eligible(other, flow)))
-    picked = (select(e.c.group_id).where(where, leader).order_by(*ORDERS[flow.order])
-              .limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True).cte("picked"))
-    leased = (update(e).where(of_runs, e.c.group_id == _any_of(select(picked.c.group_id)),
-                              _eligible(e, flow))
-              .values(**lease_values).returning(*STATE_RETURNED).cte("leased"))
-    return _with_data(leased)
+        chosen = e.c.id == _any_of(select(picked.c.id))
+    else:
+        chosen = and_(e.c.group_id == _any_of(select(picked.c.group_id)), _eligible(e, flow))
+    leased = (update(e).where(of_runs, chosen, _enough(picked)).values(**lease_values)
+              .returning(*STATE_RETURNED).cte("leased"))
+    return _with_data(leased, reclaimed, run_ids)
+
+
+def _picked(unit: str, flow: SamplerConfig, explicit_floor: bool, run_ids: tuple[int, ...]):
+    """Select: the ids of the next `n` rows, or the group ids of the next `n` whole groups
+    (each picked by its first eligible row, once no row of it is still settling), in the
+    flow's order, skipping rows another transaction holds."""
+    where = and_(_of_runs(e, run_ids), _eligible(e, flow), _version_floor(flow, explicit_floor))
+    if unit == "rows":
+        picked = select(e.c.id).where(where)
+    else:
+        other = e.alias("other")
+        leader = ~exists().where(
+            other.c.group_id == e.c.group_id, other.c.run_id == e.c.run_id,
+            _of_runs(other, run_ids), status_in(other.c.status, SETTLING)
+            | and_(other.c.group_row < e.c.group_row, _eligible(other, flow)))
+        picked = select(e.c.group_id).where(where, leader)
+    return (picked.order_by(*ORDERS[flow.order]).limit(bindparam("n", type_=Integer))
+            .with_for_update(skip_locked=True))
+
+
+async def _available(engine: AsyncEngine, unit: str, flow: SamplerConfig,
+                     min_policy_version: int | None, run_ids: tuple[int, ...],
+                     wanted: int) -> int:
+    """How many of `wanted` rows or groups a lease would find now (for a lease that waited)."""
+    picked = _picked(unit, flow, min_policy_version is not None, run_ids).subquery()
+    async with engine.connect() as conn:
+        return (await conn.execute(select(func.count()).select_from(picked),
+                                   dict(n=wanted, min_version=min_policy_version))).scalar()
+
+
+@functools.lru_cache(maxsize=256)
+def _prepared_lease(unit: str, flow: SamplerConfig, explicit_floor: bool,
+                    run_ids: tuple[int, ...]) -> Prepared:
+    return Prepared(lease_statement(unit, flow, explicit_floor, run_ids))
+
+
+def _enough(picked):
+    """Whether the lease found at least `wanted` rows or groups: a short batch that may not
+    train leases nothing (and the locks its pick took end with the statement)."""
+    return (select(func.count()).select_from(picked).scalar_subquery()
+            >= bindparam("wanted", type_=Integer))
 
 
 def _any_of(query):
@@ -247,43 +291,51 @@ def _to_leased(row) -> LeasedExperience:
     return LeasedExperience(*row[:FIELDS])
 
 
+_ID = operator.itemgetter(0)
+
+
 def _back_status():
     """Where a row goes when its lease ends without a step: never trained -> ready."""
     return case((e.c.times_sampled == 0, "ready"), else_="consumed")
 
 
+def _give_back(where):
+    """Update: rows matching `where` leave their lease; returns their run ids."""
+    return (update(e).where(where)
+            .values(status=_back_status(), lease_token=None, leased_until=None)
+            .returning(e.c.run_id))
+
+
 def _give_back_statement(where):
     """Statement: rows matching `where` leave their lease (counters follow); returns the count."""
-    back = (update(e).where(where)
-            .values(status=_back_status(), lease_token=None, leased_until=None)
-            .returning(e.c.run_id).cte("back"))
-    return select(func.count()).select_from(back).add_cte(count_sampled(back, -1))
+    back = _give_back(where).cte("back")
+    return select(func.count()).select_from(back).add_cte(count_sampled((back, -1)))
 
 
-def _reclaim_statement(*where):
-    return _give_back_statement(and_(*where, e.c.id == _any_of(
+def _expired(*where):
+    """Rows whose lease expired, oldest expiry first (up to `RECLAIM_LIMIT` a statement).
+
+    Ordering by leased_until steers the planner to the partial index experiences_leased, so
+    the check costs one index probe however many rows are leased and not yet expired.
+    """
+    return e.c.id == _any_of(
         select(e.c.id)
         .where(status_in(e.c.status, ["leased"]), e.c.leased_until < func.now(), *where)
-        .order_by(e.c.leased_until).limit(bindparam("limit"))
-        .with_for_update(skip_locked=True))))
+        .order_by(e.c.leased_until).limit(RECLAIM_LIMIT).with_for_update(skip_locked=True))
 
 
 # The runs a lease names: `run_id = ANY(...)` lets the server skip other runs' partitions.
 OF_RUNS = e.c.run_id == func.any(bindparam("run_ids", type_=ARRAY(BigInteger)))
 TOKEN = bindparam("token", type_=UUID(as_uuid=True))
 # Built once: constructing a statement with CTEs costs SQLAlchemy about a millisecond.
-RECLAIM = _reclaim_statement()
-RECLAIM_RUNS = _reclaim_statement(OF_RUNS)
+RECLAIM = _give_back_statement(_expired())
 RELEASE = _give_back_statement(and_(OF_RUNS, e.c.lease_token == TOKEN))
 
 
-async def reclaim_expired(conn: AsyncConnection, limit: int = 10_000) -> int:
-    """Hand back rows whose lease expired, in every run (up to `limit` a call); returns how many.
-
-    Ordering by leased_until steers the planner to the partial index experiences_leased, so
-    the check costs one index probe however many rows are leased and not yet expired.
-    """
-    return (await conn.execute(RECLAIM, {"limit": limit})).scalar()
+async def reclaim_expired(conn: AsyncConnection) -> int:
+    """Hand back rows whose lease expired, in every run (up to RECLAIM_LIMIT a call); returns
+    how many. A lease reclaims its own runs' rows itself."""
+    return (await conn.execute(RECLAIM)).scalar()
 
 
 async def release(engine: AsyncEngine, lease: Lease) -> int:
@@ -334,44 +386,57 @@ async def _check_min_ready(conn: AsyncConnection, run_ids, flow: SamplerConfig,
     """Before a run's first lease (nothing sampled yet), wait for min_ready ready rows."""
     if flow.min_ready <= 1 or sampled > 0:
         return
-    ready = (select(literal(1)).where(e.c.run_id.in_(run_ids), status_in(e.c.status, ["ready"]))
+    ready = (select(literal(1)).where(_of_runs(e, tuple(run_ids)), status_in(e.c.status, ["ready"]))
              .limit(flow.min_ready).subquery())
     n_ready = (await conn.execute(select(func.count()).select_from(ready))).scalar()
     if n_ready < flow.min_ready:
         raise _NotYet(f"{n_ready} ready rows, min_ready is {flow.min_ready}")
 
 
+def _checked(flow: SamplerConfig) -> bool:
+    """Whether a lease reads the runs' counters first (samples_per_insert, min_ready), in one
+    transaction with its statement; otherwise the lease is its one statement."""
+    return flow.samples_per_insert is not None or flow.min_ready > 1
+
+
 async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min_policy_version,
                       allow_partial):
-    await conn.execute(RECLAIM_RUNS, {"limit": 10_000, "run_ids": list(run_ids)})
     limit = None
     if flow.samples_per_insert is not None:
         limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready)
         await conn.execute(runs.lock(list(run_ids)))
-    if limit is not None or flow.min_ready > 1:  # one read of the counters serves both checks
+    if _checked(flow):  # one read of the counters serves both checks
         inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
         await _check_min_ready(conn, run_ids, flow, sampled)
     token = uuid.uuid4()
-    stmt = lease_statement("rows" if rows is not None else "groups", flow,
-                           min_policy_version is not None)
-    params = dict(run_ids=list(run_ids), n=rows or groups, token=token,
-                  lease_for=timedelta(seconds=flow.lease_seconds))
-    if min_policy_version is not None:
-        params["min_version"] = min_policy_version
-    leased = (await conn.execute(stmt, params)).all()
-    got = len(leased) if rows is not None else len({row.group_id for row in leased})
-    wanted = rows if rows is not None else groups
-    if got == 0 or (got < wanted and not allow_partial):
-        raise _NotYet(f"{got} of {wanted} {'rows' if rows is not None else 'groups'} available")
+    unit, wanted = ("rows", rows) if rows is not None else ("groups", groups)
+    stmt = _prepared_lease(unit, flow, min_policy_version is not None, tuple(run_ids))
+    params = dict(n=wanted, wanted=1 if allow_partial else wanted, token=token,
+                  lease_for=timedelta(seconds=flow.lease_seconds), min_version=min_policy_version)
+    leased = await stmt.fetch(conn, params)
+    if not leased:
+        raise _NotYet(None)
     if limit is not None:
         if not limit.can_sample(inserted, sampled, len(leased)):
             raise _NotYet(f"samples_per_insert: inserted {inserted}, sampled {sampled}; "
                           f"trainer is ahead of the explorers")
     if limit is not None:  # writers waiting for room may write now
         await conn.execute(NOTIFY_ROWS, {"run_ids": list(run_ids), "what": "leased"})
-    leased.sort(key=lambda row: row.id)
+    leased.sort(key=_ID)
     return Lease(token, tuple(run_ids), tuple(_to_leased(row) for row in leased),
-                 leased[0].leased_until)
+                 leased[0][FIELDS])
+
+
+@contextlib.asynccontextmanager
+async def _lease_connection(engine: AsyncEngine, flow: SamplerConfig):
+    """A transaction for a checked lease; else a connection on which the lease statement runs
+    without one, committing alone (no BEGIN and COMMIT round trips around it)."""
+    if _checked(flow):
+        async with engine.begin() as conn:
+            yield conn
+        return
+    async with engine.connect() as conn:
+        yield conn
 
 
 async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None = None,
@@ -394,15 +459,18 @@ async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None
         wake = None
         while True:
             try:
-                async with engine.begin() as conn:
+                async with _lease_connection(engine, flow) as conn:
                     return await _lease_once(conn, run_ids, rows=rows, groups=groups, flow=flow,
                                              min_policy_version=min_policy_version,
                                              allow_partial=allow_partial)
             except _NotYet as not_yet:
                 if time.monotonic() >= deadline:
+                    unit, wanted = ("rows", rows) if rows is not None else ("groups", groups)
+                    reason = not_yet.args[0] or (
+                        f"{await _available(engine, unit, flow, min_policy_version, tuple(run_ids), wanted)} "
+                        f"of {wanted} {unit} available")
                     raise FlowControlTimeout(
-                        f"waited {timeout:g}s for a lease of {rows or groups} "
-                        f"{'rows' if rows else 'groups'}: {not_yet}") from None
+                        f"waited {timeout:g}s for a lease of {wanted} {unit}: {reason}") from None
             if wake is None:  # listen only once a lease has to wait: rows written wake it
                 wake = await waiting.enter_async_context(
                     AsyncWake(engine, [rows_channel(r) for r in run_ids]))

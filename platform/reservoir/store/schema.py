@@ -231,18 +231,20 @@ train_steps = Table(
     UniqueConstraint("run_id", "step", name="train_steps_run_step"),
 )
 
+# The ledger. Its keys (a row names a train step, and an experience of its run; deleting either
+# deletes the row) are statement triggers, one query a statement for all its rows
+# (batch_items_keys, batch_items_unlink: migration 0017), not foreign keys, which ran a query
+# for every row of a step commit.
 batch_items = Table(
     "batch_items",
     metadata,
-    Column("train_step_id", BigInteger, ForeignKey("train_steps.id", ondelete="CASCADE"),
-           nullable=False),
+    Column("train_step_id", BigInteger, nullable=False),
     Column("experience_id", BigInteger, nullable=False),
     Column("policy_version", Integer, nullable=False),
     Column("weight", Float, nullable=False, server_default="1"),
     Column("run_id", BigInteger, nullable=False),  # the experience's
     PrimaryKeyConstraint("train_step_id", "experience_id", "run_id", name="batch_items_pkey"),
-    # Partitioned by the experience's run like the experiences; each partition's key names
-    # the run's state partition, batch_items_r<id>_experience_id_fkey (migration 0014).
+    # Partitioned by the experience's run like the experiences (migration 0014).
     Index("batch_items_experience", "experience_id"),
     postgresql_partition_by="LIST (run_id)",
 )

@@ -33,6 +33,8 @@ from reservoir.store.writer import WriteResult
 class AsyncStore:
     def __init__(self, url: str, flow: SamplerConfig, sync: Engine) -> None:
         self.engine: AsyncEngine = engines.async_engine(url)
+        # leases and step commits: statements with their runs in their SQL, plans kept
+        self.leases: AsyncEngine = engines.async_engine(url, kept_plans=True)
         self.flow = flow
         self._sync = sync
         self._run_ids: dict[str, int] = {}
@@ -60,7 +62,7 @@ class AsyncStore:
         if rows is None and groups is None:
             rows, groups = ((self.flow.batch, None) if self.flow.unit == "rows"
                             else (None, self.flow.batch))
-        return await sampler.lease(self.engine, self.run_ids(run), rows=rows, groups=groups,
+        return await sampler.lease(self.leases, self.run_ids(run), rows=rows, groups=groups,
                                    flow=self.flow, min_policy_version=min_policy_version,
                                    allow_partial=allow_partial, timeout_s=timeout_s)
 
@@ -72,7 +74,7 @@ class AsyncStore:
         if run is None and len(lease.run_ids) != 1:
             raise ValueError("the lease spans several runs: name the run this step belongs to")
         run_id = self.run_ids(run)[0] if run is not None else lease.run_ids[0]
-        return await ledger.commit_step(self.engine, lease, run_id=run_id, step=step,
+        return await ledger.commit_step(self.leases, lease, run_id=run_id, step=step,
                                         policy_version=policy_version, loss=loss,
                                         metrics=metrics, weights=weights, stage=stage)
 
@@ -130,6 +132,7 @@ class AsyncStore:
 
     async def close(self) -> None:
         await self.engine.dispose()
+        await self.leases.dispose()
 
 
 def _blocking(coroutine_function):
