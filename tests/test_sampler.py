@@ -334,9 +334,9 @@ def test_the_keys_each_written_row_checks_reuse_their_plans_and_a_commit_is_dura
     """The foreign keys a row checks after a write's COPY or a step commit name plain tables
     (the run's partitions, runs) and keep one plan each: planned again for every row, they cost
     a 512-row write 13 ms and a 256-row commit 5 ms. A trigger of the same kind as the key
-    checks (after insert, each row) sees the settings they run under. Leases run with
-    synchronous_commit off (a lease lost in a crash is a lease the trainer's commit finds
-    lost), so the step commit turns it on for itself: it is on disk when commit_step returns."""
+    checks (after insert, each row) sees the settings they run under: plans reused, and the
+    commit waits for its WAL to reach the disk (a lease too: a trainer's lease survives a crash
+    of the server, so its commit after the restart goes through)."""
     run_id = store.create_run("keys", group_size=4)
     with store.engine.begin() as conn:
         conn.execute(text("""

@@ -64,7 +64,7 @@ REUSE_PLANS = "set_config('plan_cache_mode', 'auto', true)"
 # generic plan of theirs prunes to those runs' partitions when it is planned, and locks only
 # them. They run on an engine of their own whose connections plan each statement once and reuse
 # the plan: planning a 256-row lease for its parameters took 0.7-1.6 ms a call.
-KEPT_PLANS_SETTINGS = {"plan_cache_mode": "force_generic_plan", "synchronous_commit": "off"}
+KEPT_PLANS_SETTINGS = {"plan_cache_mode": "force_generic_plan"}
 
 
 def async_engine(url: str, *, kept_plans: bool = False, **kwargs) -> AsyncEngine:

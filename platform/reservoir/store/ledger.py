@@ -1,4 +1,4 @@
-"""The ledger: a train step, the experiences it consumed, and their status, in one transaction."""
+"""The ledger: a train step, the experiences it consumed, and their status, in one statement."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ WITH consumed AS (
     UPDATE experience_state
     SET status = 'consumed', times_sampled = times_sampled + 1,
         lease_token = NULL, leased_until = NULL
-    WHERE run_id IN ({runs}) AND lease_token = :token
+    WHERE run_id IN ({runs}) AND id = ANY(CAST(:ids AS bigint[])) AND lease_token = :token
     RETURNING id, run_id
 ), step AS (
     INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
@@ -56,7 +56,7 @@ WITH consumed AS (
     RETURNING train_step_id
 )
 SELECT (SELECT id FROM step), lease_consumed((SELECT count(*) FROM items), :n_experiences, :token),
-       {REUSE_PLANS}, set_config('synchronous_commit', 'on', true)
+       {REUSE_PLANS}
 """).bindparams(
         bindparam("token", type_=UUID(as_uuid=True)),
         bindparam("metrics", type_=JSONB),
@@ -104,7 +104,7 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
                   weights=[float(w) for w in weights] if weights is not None else [1.0] * len(ids))
     async with engine.connect() as conn:  # the statement commits alone
         try:
-            [(step_id, _, _, _)] = await _prepared_commit(lease.run_ids).fetch(conn, params)
+            [(step_id, _, _)] = await _prepared_commit(lease.run_ids).fetch(conn, params)
         except asyncpg.PostgresError as exc:
             raise _commit_error(exc, step, run_id) from exc
     return step_id

@@ -2,7 +2,11 @@
 
 A lease marks rows `leased` with a token and an expiry. The trainer then either commits a step
 (`ledger.commit_step`: rows become `consumed`) or releases them; a lease that expires is
-reclaimed by the next lease call, so a trainer killed while holding one loses nothing.
+reclaimed by the next lease of its runs, so a trainer killed while holding one loses nothing.
+
+A lease is one statement (reclaim, pick, lease, count, read the data) that commits alone unless
+flow control reads the runs' counters first; it names its runs' ids in its SQL and runs on
+asyncpg directly (`prepared`), on connections that keep its plan (`engine.KEPT_PLANS_SETTINGS`).
 """
 
 from __future__ import annotations
@@ -260,12 +264,13 @@ def _picked(unit: str, flow: SamplerConfig, explicit_floor: bool, run_ids: tuple
 
 async def _available(engine: AsyncEngine, unit: str, flow: SamplerConfig,
                      min_policy_version: int | None, run_ids: tuple[int, ...],
-                     wanted: int) -> int:
-    """How many of `wanted` rows or groups a lease would find now (for a lease that waited)."""
+                     wanted: int) -> str:
+    """'3 of 8 rows available': what a lease would find now (for a lease that waited)."""
     picked = _picked(unit, flow, min_policy_version is not None, run_ids).subquery()
     async with engine.connect() as conn:
-        return (await conn.execute(select(func.count()).select_from(picked),
-                                   dict(n=wanted, min_version=min_policy_version))).scalar()
+        found = (await conn.execute(select(func.count()).select_from(picked),
+                                    dict(n=wanted, min_version=min_policy_version))).scalar()
+    return f"{found} of {wanted} {unit} available"
 
 
 @functools.lru_cache(maxsize=256)
@@ -466,9 +471,8 @@ async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None
             except _NotYet as not_yet:
                 if time.monotonic() >= deadline:
                     unit, wanted = ("rows", rows) if rows is not None else ("groups", groups)
-                    reason = not_yet.args[0] or (
-                        f"{await _available(engine, unit, flow, min_policy_version, tuple(run_ids), wanted)} "
-                        f"of {wanted} {unit} available")
+                    reason = not_yet.args[0] or await _available(
+                        engine, unit, flow, min_policy_version, tuple(run_ids), wanted)
                     raise FlowControlTimeout(
                         f"waited {timeout:g}s for a lease of {wanted} {unit}: {reason}") from None
             if wake is None:  # listen only once a lease has to wait: rows written wake it
