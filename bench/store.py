@@ -12,8 +12,10 @@ What is compared (rows/s, and the ratio Reservoir / bare; the target is >= 0.8 f
     one wide row per experience (the store's layout before migration 0012: data and state in
     one row, with that table's indexes). Two diagnostic lines: the lease part of the same loop
     timed on its own, and lease+commit against a bare loop that also commits what a step
-    commit writes (the rows consumed, a step row, one ledger row per row with its two keys, in
-    one statement), on a second queue of its own.
+    commit writes (the rows consumed, a step row, one ledger row per row with its two keys
+    checked as foreign keys, in one statement and a transaction of its own), on a second queue
+    of its own. Reservoir's lease and step commit are one statement each, committed alone, and
+    the ledger's keys are statement triggers (migration 0017).
 (c) scaling: 1, 2 and 4 writer processes at once, each writing its own rows through
     `Store.write_groups` or the bare COPY; rows/s of all of them together, and the ratio.
 (d) many runs: Reservoir's writes and lease + commits of the bench run on a store of 200 more
@@ -569,8 +571,9 @@ def plan_lines(bare: Bare, store: Store, run_id: int, batch: int) -> list[str]:
         "bare lease": Bare.LEASE.format(queue=BARE_QUEUE, token=f"'{uuid.uuid4()}'",
                                         run_id=run_id, batch=batch,
                                         seconds=store.flow.lease_seconds),
-        "commit_step's rows (by lease_token)": "SELECT id FROM experience_state WHERE "
-                                               f"lease_token = '{uuid.uuid4()}'",
+        "commit_step's rows (by id and token)": "SELECT id FROM experience_state WHERE "
+                                                f"run_id = {run_id} AND id = ANY('{{1,2}}') "
+                                                f"AND lease_token = '{uuid.uuid4()}'",
     }
     lines = []
     for name, statement in sql.items():
@@ -641,9 +644,9 @@ notes: the bare COPY's rows were encoded (bytes, JSON text) before timing and it
   batch (its own transaction) on a one-table queue (each lease rewrites the wide row) and
   commits no step; Reservoir's lease+commit rewrites the narrow state row twice and writes
   the step and one ledger row per experience. "same ledger" is a bare loop that commits
-  those too, in a second transaction a batch like Reservoir's. Scaling: each writer is a process of its own
-  with its own connection; rows/s is all rows over the time from the first start to the last
-  end."""
+  those too (its ledger keys are foreign keys), in a second transaction a batch like
+  Reservoir's. Scaling: each writer is a process of its own with its own connection; rows/s
+  is all rows over the time from the first start to the last end."""
 
 
 def cleanup(store: Store, bare: Bare, run: str, run_id: int) -> None:
