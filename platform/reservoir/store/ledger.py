@@ -23,7 +23,6 @@ from reservoir.store.schema import batch_items, batch_pairs, preferences, train_
 LEASE_LOST = "RS001"  # the SQLSTATE lease_consumed raises (migration 0018)
 
 
-@functools.lru_cache(maxsize=256)
 def commit_statement(run_ids: tuple[int, ...]):
     """The step commit of a lease of these runs: one statement, committed alone.
 

@@ -404,7 +404,7 @@ def _checked(flow: SamplerConfig) -> bool:
     return flow.samples_per_insert is not None or flow.min_ready > 1
 
 
-async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min_policy_version,
+async def _lease_once(conn: AsyncConnection, run_ids, *, unit, wanted, flow, min_policy_version,
                       allow_partial):
     limit = None
     if flow.samples_per_insert is not None:
@@ -414,7 +414,6 @@ async def _lease_once(conn: AsyncConnection, run_ids, *, rows, groups, flow, min
         inserted, sampled = (await conn.execute(runs.counters(list(run_ids)))).one()
         await _check_min_ready(conn, run_ids, flow, sampled)
     token = uuid.uuid4()
-    unit, wanted = ("rows", rows) if rows is not None else ("groups", groups)
     stmt = _prepared_lease(unit, flow, min_policy_version is not None, tuple(run_ids))
     params = dict(n=wanted, wanted=1 if allow_partial else wanted, token=token,
                   lease_for=timedelta(seconds=flow.lease_seconds), min_version=min_policy_version)
@@ -458,6 +457,7 @@ async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None
                          f"groups={groups})")
     if flow.samples_per_insert is not None and rows is not None:
         RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready).check_sample_size(rows)
+    unit, wanted = ("rows", rows) if rows is not None else ("groups", groups)
     timeout = flow.wait_timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout
     async with contextlib.AsyncExitStack() as waiting:
@@ -465,12 +465,11 @@ async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None
         while True:
             try:
                 async with _lease_connection(engine, flow) as conn:
-                    return await _lease_once(conn, run_ids, rows=rows, groups=groups, flow=flow,
+                    return await _lease_once(conn, run_ids, unit=unit, wanted=wanted, flow=flow,
                                              min_policy_version=min_policy_version,
                                              allow_partial=allow_partial)
             except _NotYet as not_yet:
                 if time.monotonic() >= deadline:
-                    unit, wanted = ("rows", rows) if rows is not None else ("groups", groups)
                     reason = not_yet.args[0] or await _available(
                         engine, unit, flow, min_policy_version, tuple(run_ids), wanted)
                     raise FlowControlTimeout(
