@@ -75,3 +75,46 @@ def test_pooled_connections_the_server_ended_are_replaced_without_an_error(store
     store.commit_step(lease, step=1, policy_version=0)
     fill(store, "r", 1, start_seed=5)
     assert len(store.lease("r", groups=2).rows) == 8
+
+
+def test_a_lease_cut_off_mid_statement_leaves_no_connection_in_the_pool(store):
+    """The lease and the step commit run on asyncpg itself (store/prepared.py), where
+    SQLAlchemy cannot see that a connection died under them: a connection the server ended in
+    the middle of a statement is discarded, not handed out again in an unknown state (it was:
+    the next commit failed with asyncpg's "cannot switch to state 11; another operation (2)
+    is in progress", which no worker takes for an outage), and the next lease works."""
+    import threading
+    import time
+
+    from sqlalchemy import event, text
+
+    from reservoir.store.retry import is_outage
+
+    store.create_run("r", group_size=4)
+    fill(store, "r", 2)
+    store.release(store.lease("r", groups=1))  # the lease pool holds one idle connection
+    discarded: list = []
+    event.listen(store.aio.leases.sync_engine.pool, "invalidate",
+                 lambda *args: discarded.append(args[2]))
+    with store.engine.connect() as holder:  # holds the run's row: the next lease waits on it
+        holder.execute(text("SELECT 1 FROM runs WHERE name = 'r' FOR UPDATE"))
+        outcome: list = []
+        leasing = threading.Thread(target=lambda: outcome.append(_lease_or_error(store)))
+        leasing.start()
+        time.sleep(0.5)
+        with store.engine.connect() as conn:
+            ended = conn.execute(text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'")).scalar()
+        leasing.join(10)
+        holder.rollback()
+    assert ended == 1 and is_outage(outcome[0]), outcome
+    assert len(discarded) == 1 and is_outage(discarded[0])  # before anyone takes it again
+    assert len(store.lease("r", groups=2).rows) == 8
+
+
+def _lease_or_error(store):
+    try:
+        return store.lease("r", groups=1, timeout_s=5)
+    except Exception as exc:
+        return exc

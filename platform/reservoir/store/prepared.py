@@ -7,7 +7,8 @@ every array element, a Row object per result row) a lease + commit of 256 rows c
 compiled once for the asyncpg dialect, to asyncpg's `$n` SQL and the order its parameters bind
 in. It runs on the asyncpg connection under a pooled SQLAlchemy connection, so pooling, the
 checkout check and the server settings stay the engine's, and inside the transaction that
-connection began if it began one (else the statement commits alone). asyncpg prepares it once
+connection began if it began one (else the statement commits alone); a connection that dies
+under it is taken out of the pool. asyncpg prepares it once
 per connection. Values go to asyncpg as they are: JSON as its text.
 """
 
@@ -18,6 +19,8 @@ from typing import Any
 import asyncpg
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
+
+from reservoir.store import retry
 
 _DIALECT = asyncpg_dialect()
 
@@ -42,5 +45,14 @@ class Prepared:
             raise ValueError(f"no value for the statement's parameter {exc.args[0]!r}") from None
 
     async def fetch(self, conn: AsyncConnection, params: dict[str, Any]) -> list[asyncpg.Record]:
+        args = self.args(params)
         driver = (await conn.get_raw_connection()).driver_connection
-        return await driver.fetch(self.sql, *self.args(params))
+        try:
+            return await driver.fetch(self.sql, *args)
+        except BaseException as exc:
+            # SQLAlchemy did not run it, so it cannot tell a dead connection from an error:
+            # one cut off or interrupted mid-statement leaves the pool (an error the server
+            # reported leaves the connection as it was)
+            if not isinstance(exc, asyncpg.PostgresError) or retry.is_outage(exc):
+                await conn.invalidate(exc if isinstance(exc, Exception) else None)
+            raise
