@@ -508,3 +508,57 @@ def test_the_ledger_s_keys_hold_once_a_statement_on_every_path(new_database, eng
             (f"batch_items_r{run}", f"experience_state_r{run}") for run in (1, 2, 3)]
         assert conn.execute(text(LEDGER_TRIGGERS)).all() == []
     assert _refused(engine, item.format(table="batch_items", step=1, run=1, experience=4)) == "23503"
+
+
+STATE_INDEXES = """
+SELECT c.relname, regexp_replace(pg_get_indexdef(i.indexrelid), '^.* USING ', '')
+FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+WHERE i.indrelid = CAST(:table AS regclass) ORDER BY 1"""
+KEYS_FUNCTION = "SELECT prosrc FROM pg_proc WHERE proname = 'batch_items_keys'"
+
+
+def _state_indexes(engine, table: str) -> dict[str, str]:
+    with engine.connect() as conn:
+        return dict(conn.execute(text(STATE_INDEXES), {"table": table}).all())
+
+
+def test_a_lease_and_a_step_commit_write_fewer_index_entries(new_database, engines):
+    """Migration 0019 on a populated store: the (run_id, status) index keeps rows at rest only
+    (a lease and a commit add nothing to it) and still serves a pipeline's read of raw rows, no
+    index holds the lease token, the ledger's step check holds, and the downgrade gives the
+    indexes and the row-by-row check back."""
+    engine = engines(new_database())
+    populate_at_0012(engine)
+    migrate.upgrade(engine, "0019")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (3, 'three')"))
+    for table in ("experience_state", "experience_state_r1", "experience_state_r3"):
+        indexes = _state_indexes(engine, table)
+        assert not [d for d in indexes.values() if "lease_token" in d], (table, indexes)
+        assert [d for d in indexes.values() if d.startswith("btree (run_id, status)")] == [
+            "btree (run_id, status) WHERE (status <> ALL (ARRAY['leased'::text, "
+            "'consumed'::text]))"], (table, indexes)  # the partition's index is named as before
+    with engine.begin() as conn:  # a pipeline's read of raw rows (source.FILTERS) can use it
+        conn.execute(text("UPDATE experience_state SET status = 'raw' WHERE id = 2; "
+                          "SET LOCAL enable_seqscan = off"))
+        plan = "\n".join(conn.execute(text(
+            "EXPLAIN SELECT id FROM experiences e WHERE e.run_id = ANY('{1}') "
+            "AND e.status = ANY('{raw,quarantined}')")).scalars())
+        assert "experience_state_r1_run_id_status_idx" in plan, plan
+        conn.rollback()
+    item = ("INSERT INTO batch_items (train_step_id, run_id, experience_id, policy_version) "
+            "VALUES {rows}")
+    assert _refused(engine, item.format(rows="(1, 1, 2, 0), (9, 1, 2, 0)")) == "23503"
+    with engine.begin() as conn:
+        conn.execute(text(item.format(rows="(1, 1, 2, 0), (1, 1, 3, 0)")))
+        with engine.connect() as other:
+            assert "SELECT DISTINCT train_step_id" in other.execute(text(KEYS_FUNCTION)).scalar()
+        conn.rollback()
+    migrate.downgrade(engine, "0018")
+    indexes = _state_indexes(engine, "experience_state_r1")
+    assert indexes["experience_state_r1_run_id_status_idx"] == "btree (run_id, status)"
+    assert indexes["experience_state_r1_lease_token_idx"] == (
+        "btree (lease_token) WHERE (lease_token IS NOT NULL)")
+    with engine.connect() as conn:
+        assert "DISTINCT train_step_id" not in conn.execute(text(KEYS_FUNCTION)).scalar()
+    assert _refused(engine, item.format(rows="(9, 1, 2, 0)")) == "23503"

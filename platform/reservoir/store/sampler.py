@@ -332,9 +332,18 @@ def _expired(*where):
 # The runs a lease names: `run_id = ANY(...)` lets the server skip other runs' partitions.
 OF_RUNS = e.c.run_id == func.any(bindparam("run_ids", type_=ARRAY(BigInteger)))
 TOKEN = bindparam("token", type_=UUID(as_uuid=True))
+# A lease's rows: its runs, its ids (the primary key finds them: no index has the token,
+# migration 0019) and its token.
+OF_LEASE = and_(OF_RUNS, e.c.id == func.any(bindparam("ids", type_=ARRAY(BigInteger))),
+                e.c.lease_token == TOKEN)
 # Built once: constructing a statement with CTEs costs SQLAlchemy about a millisecond.
 RECLAIM = _give_back_statement(_expired())
-RELEASE = _give_back_statement(and_(OF_RUNS, e.c.lease_token == TOKEN))
+RELEASE = _give_back_statement(OF_LEASE)
+
+
+def _of_lease(lease: Lease) -> dict:
+    """The values OF_LEASE binds."""
+    return {"token": lease.token, "run_ids": list(lease.run_ids), "ids": lease.ids}
 
 
 async def reclaim_expired(conn: AsyncConnection) -> int:
@@ -347,8 +356,7 @@ async def release(engine: AsyncEngine, lease: Lease) -> int:
     """Hand a lease's rows back unconsumed; returns how many were still held."""
     async with engine.begin() as conn:
         await conn.execute(NOTIFY_ROWS, {"run_ids": list(lease.run_ids), "what": "released"})
-        return (await conn.execute(RELEASE, {"token": lease.token,
-                                             "run_ids": list(lease.run_ids)})).scalar()
+        return (await conn.execute(RELEASE, _of_lease(lease))).scalar()
 
 
 async def release_runs(engine: AsyncEngine, run_ids: Sequence[int]) -> int:
@@ -376,9 +384,9 @@ async def renew(engine: AsyncEngine, lease: Lease, seconds: float) -> datetime:
     """Push a lease's expiry to now + seconds; LeaseLost if it was already reclaimed."""
     async with engine.begin() as conn:
         result = await conn.execute(
-            update(e).where(OF_RUNS, e.c.lease_token == TOKEN)
+            update(e).where(OF_LEASE)
             .values(leased_until=func.now() + timedelta(seconds=seconds))
-            .returning(e.c.leased_until), {"token": lease.token, "run_ids": list(lease.run_ids)})
+            .returning(e.c.leased_until), _of_lease(lease))
         until = result.scalars().all()
     if len(until) != len(lease.rows):
         raise LeaseLost(f"lease {lease.token} holds {len(until)} of its {len(lease.rows)} rows: "
@@ -500,7 +508,8 @@ SET_ASIDE = text("""
 WITH aside AS (
     UPDATE experience_state
     SET status = 'retired', lease_token = NULL, leased_until = NULL
-    WHERE run_id = ANY(:run_ids) AND lease_token = :token AND group_id = ANY(:groups)
+    WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :token
+      AND group_id = ANY(:groups)
     RETURNING id, run_id
 ), noted AS (
     UPDATE experience_data d
@@ -515,12 +524,14 @@ WITH aside AS (
 )
 SELECT (SELECT count(*) FROM aside), (SELECT count(*) FROM noted), (SELECT count(*) FROM counted)
 """).bindparams(bindparam("token", type_=UUID(as_uuid=True)),
+                bindparam("ids", type_=ARRAY(BigInteger)),
                 bindparam("groups", type_=ARRAY(UUID(as_uuid=True))))
 JOIN = text("""
 UPDATE experience_state SET lease_token = :into, leased_until = LEAST(leased_until, :until)
-WHERE lease_token = :other
+WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :other
 """).bindparams(bindparam("into", type_=UUID(as_uuid=True)),
-                bindparam("other", type_=UUID(as_uuid=True)))
+                bindparam("other", type_=UUID(as_uuid=True)),
+                bindparam("ids", type_=ARRAY(BigInteger)))
 
 
 async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUID], *,
@@ -528,8 +539,8 @@ async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUI
     """Retire leased groups that will not be trained (e.g. dynamic sampling: their rewards
     are all equal), recording why in each row's metadata; the lease keeps the other rows."""
     async with engine.begin() as conn:
-        await conn.execute(SET_ASIDE, {"token": lease.token, "groups": list(groups),
-                                       "reason": reason, "run_ids": list(lease.run_ids)})
+        await conn.execute(SET_ASIDE, {**_of_lease(lease), "groups": list(groups),
+                                       "reason": reason})
         for run_id in lease.run_ids:  # explorers may make more now: wake them (a hint only)
             await conn.execute(select(func.pg_notify(runs.POLICY_CHANNEL,
                                                      f"{run_id}:set-aside")))
@@ -542,6 +553,7 @@ async def join(engine: AsyncEngine, lease: Lease, other: Lease) -> Lease:
     """One lease holding both leases' rows (under the first's token, the earlier expiry)."""
     until = min(lease.leased_until, other.leased_until)
     async with engine.begin() as conn:
-        await conn.execute(JOIN, {"into": lease.token, "other": other.token, "until": until})
+        await conn.execute(JOIN, {"into": lease.token, "other": other.token, "until": until,
+                                  "run_ids": list(other.run_ids), "ids": other.ids})
     return Lease(lease.token, tuple(sorted(set(lease.run_ids) | set(other.run_ids))),
                  lease.rows + other.rows, until)

@@ -180,9 +180,10 @@ experience_state = Table(
     ),
     Index("experience_state_leased", "leased_until", postgresql_where=text("status = 'leased'")),
     Index("experience_state_group_row", "group_id", "group_row", "run_id", unique=True),
-    Index("experience_state_run_status", "run_id", "status"),
-    Index("experience_state_lease_token", "lease_token",
-          postgresql_where=text("lease_token IS NOT NULL")),
+    # rows at rest by status (pipelines, counts, retention); a lease and a step commit add no
+    # entry to it (migration 0019), nor to any index of the lease token (they find rows by id)
+    Index("experience_state_at_rest", "run_id", "status",
+          postgresql_where=text("status NOT IN ('leased', 'consumed')")),
     postgresql_partition_by="LIST (run_id)",
 )
 
