@@ -20,7 +20,8 @@ SCHEMA_PRESENT = ("SELECT to_regclass('public.alembic_version') IS NOT NULL "
 
 @asynccontextmanager
 async def connect(url: str, *, check_schema: bool = True) -> AsyncIterator:
-    """An asyncpg connection to `url` (json and jsonb decoded), closed afterwards.
+    """An asyncpg connection to `url` (json and jsonb decoded), closed afterwards (without
+    waiting for the server's end of it when idle).
 
     StoreError in one line when the server cannot be reached or refuses the login, or (with
     check_schema) when the database holds no Reservoir schema."""
@@ -46,7 +47,10 @@ async def connect(url: str, *, check_schema: bool = True) -> AsyncIterator:
                              "was run or changed")
         yield conn
     finally:
-        await conn.close()
+        if conn.is_in_transaction():
+            await conn.close()
+        else:  # idle: the server ends the session at the socket's end as at a goodbye, and
+            conn.terminate()  # close() waits 4-7 ms for that (a stream pass reads in ~20 ms)
 
 
 def _json_text(value) -> str:
