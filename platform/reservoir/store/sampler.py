@@ -529,9 +529,9 @@ SELECT (SELECT count(*) FROM aside), (SELECT count(*) FROM noted), (SELECT count
                 bindparam("groups", type_=ARRAY(UUID(as_uuid=True))))
 JOIN = text("""
 UPDATE experience_state SET lease_token = :into, leased_until = LEAST(leased_until, :until)
-WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :other
+WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :token
 """).bindparams(bindparam("into", type_=UUID(as_uuid=True)),
-                bindparam("other", type_=UUID(as_uuid=True)),
+                bindparam("token", type_=UUID(as_uuid=True)),
                 bindparam("ids", type_=ARRAY(BigInteger)))
 
 
@@ -554,7 +554,6 @@ async def join(engine: AsyncEngine, lease: Lease, other: Lease) -> Lease:
     """One lease holding both leases' rows (under the first's token, the earlier expiry)."""
     until = min(lease.leased_until, other.leased_until)
     async with engine.begin() as conn:
-        await conn.execute(JOIN, {"into": lease.token, "other": other.token, "until": until,
-                                  "run_ids": list(other.run_ids), "ids": other.ids})
+        await conn.execute(JOIN, {**_of_lease(other), "into": lease.token, "until": until})
     return Lease(lease.token, tuple(sorted(set(lease.run_ids) | set(other.run_ids))),
                  lease.rows + other.rows, until)
