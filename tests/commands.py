@@ -14,10 +14,22 @@ from reservoir.store.engine import sync_engine
 RESERVOIR = Path(sys.executable).with_name("reservoir")
 
 
+def command_env(url: str) -> dict[str, str]:
+    """This process's environment with the store's URL, and room for wide tables."""
+    return {**os.environ, "RESERVOIR_DB_URL": url, "COLUMNS": "200"}
+
+
 def reservoir(*args: str, url: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RESERVOIR_DB_URL": url, "COLUMNS": "200"}
-    return subprocess.run([str(RESERVOIR), *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([str(RESERVOIR), *args], env=command_env(url), cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def start_reservoir(*args: str, url: str, cwd: Path) -> subprocess.Popen:
+    """The command left running; its output goes to cwd/reservoir.log (a pipe nobody reads
+    while it runs would fill and stop it)."""
+    with open(cwd / "reservoir.log", "w") as log:
+        return subprocess.Popen([str(RESERVOIR), *args], env=command_env(url), cwd=cwd,
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def scalar(url: str, sql: str):

@@ -3,16 +3,14 @@ their run are written, not at their next poll."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import threading
 import time
 
 from sqlalchemy import text
 
 from reservoir.pipeline import stream
-from tests.commands import RESERVOIR
+from tests.commands import start_reservoir
 from tests.factories import make_group
 
 
@@ -25,14 +23,13 @@ def _status_of_first_row(engine, run: str) -> str | None:
 def test_a_stream_pipeline_moves_a_row_within_100_ms_of_its_insert(store, db_url, tmp_path):
     """`reservoir pipeline run` on a stream, in a process of its own as users run it: timed in
     pytest's process, it shared the interpreter with whatever threads earlier tests left (in CI,
-    three quarters into the suite, 107-111 ms where a process of its own takes 40-60)."""
+    three quarters into the suite, 107-111 ms where a process of its own takes 44-64)."""
     store.create_run("s", group_size=2)
     spec = tmp_path / "gate.yaml"
     spec.write_text("mode: stream\nsource: {status: [raw], runs: [s]}\n"
                     "process:\n  - text_length_filter: {min_len: 1}\n")
-    worker = subprocess.Popen([str(RESERVOIR), "pipeline", "run", str(spec)], cwd=tmp_path,
-                              env={**os.environ, "RESERVOIR_DB_URL": db_url},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = start_reservoir("pipeline", "run", str(spec), url=db_url, cwd=tmp_path)
+    output = tmp_path / "reservoir.log"
     try:
         latencies = []
         for attempt in range(5):  # the first pass waits for the imports and warms operators up
@@ -40,15 +37,15 @@ def test_a_stream_pipeline_moves_a_row_within_100_ms_of_its_insert(store, db_url
             store.write_groups([make_group("s", size=2, seed=attempt)], status="raw")
             written = time.perf_counter()
             while _status_of_first_row(store.engine, "s") != "ready":
-                assert worker.poll() is None, worker.communicate()
+                assert worker.poll() is None, output.read_text()
                 assert time.perf_counter() - written < 60, "the stream never moved the row"
                 time.sleep(0.002)
             latencies.append(time.perf_counter() - written)
         assert min(latencies[1:]) < 0.1, latencies  # its poll alone would take up to 0.5 s
     finally:
         worker.send_signal(signal.SIGINT)  # Ctrl-C
-        out, err = worker.communicate(timeout=30)
-    assert worker.returncode == 0, err
+        worker.wait(timeout=30)
+    assert worker.returncode == 0, output.read_text()
 
 
 def test_a_waiting_lease_wakes_when_rows_are_written(make_store):

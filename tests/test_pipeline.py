@@ -8,6 +8,7 @@ from sqlalchemy import text
 from reservoir.errors import ConfigError, ReservoirError
 from reservoir.pipeline.runner import PipelineFailed, run_pipeline
 from reservoir.pipeline.spec import load_pipeline, parse_pipeline
+from tests.commands import RESERVOIR, command_env
 from tests.factories import make_group
 
 CLEAN = {
@@ -180,12 +181,9 @@ def test_source_where_is_read_only_and_bound(store):
 
 
 def test_sigkill_mid_run_changes_nothing_and_a_rerun_completes_once(tmp_path, store, db_url):
-    import os
     import signal
     import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     store.create_run("p", group_size=4)
     store.write_groups([make_group("p", seed=i, rewards=[1, 1, 1, 1] if i % 2 else [0, 1, 0, 1])
@@ -194,8 +192,8 @@ def test_sigkill_mid_run_changes_nothing_and_a_rerun_completes_once(tmp_path, st
     pipeline.write_text("source: {runs: [p]}\nprocess:\n"
                         "  - text_length_filter: {min_len: 1}\n"
                         "  - document_deduplicator: {}\n  - group_variance_filter: {}\n")
-    command = [str(Path(sys.executable).with_name("reservoir")), "pipeline", "run", str(pipeline)]
-    env = {**os.environ, "RESERVOIR_DB_URL": db_url}
+    command = [str(RESERVOIR), "pipeline", "run", str(pipeline)]
+    env = command_env(db_url)
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
