@@ -67,7 +67,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--write-batch-groups", type=int, default=64)
     p.add_argument("--batch", type=int, default=256, help="rows per lease")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--skip-measure", action="store_true", help="run the simulation (b) only")
     p.add_argument("--gpus", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--rollouts-per-gpu", type=float, nargs="+", default=[25.0, 250.0],
@@ -149,9 +149,9 @@ WHERE r.name = ANY(:names) GROUP BY r.id, r.name
 """)
 
 
-def check_and_delete(stores: list[Store], names: list[str], servers: list[int], rows: int) -> None:
+def check_runs(stores: list[Store], names: list[str], servers: list[int], rows: int) -> None:
     """Each run is on the server it was placed on, and only there, with all its rows consumed
-    and a ledger row each; then its rows are deleted (its partitions dropped)."""
+    and a ledger row each."""
     for s, store in enumerate(stores):
         with store.engine.begin() as conn:
             found = {name: (consumed, ledger)
@@ -160,7 +160,15 @@ def check_and_delete(stores: list[Store], names: list[str], servers: list[int], 
         if set(found) != placed or any(c != rows or n != rows for c, n in found.values()):
             raise SystemExit(f"server {s}: runs {sorted(placed)} placed, found (consumed, "
                              f"ledger rows) {found}; expected {rows:,} each")
-        for name in placed:
+
+
+def delete_runs(stores: list[Store], names: list[str]) -> None:
+    """The runs of a round, wherever they got to (their partitions dropped)."""
+    for store in stores:
+        with store.engine.begin() as conn:
+            there = conn.execute(text("SELECT name FROM runs WHERE name = ANY(:names)"),
+                                 {"names": names}).scalars().all()
+        for name in there:
             with store.engine.begin() as conn:
                 delete_run(conn, name)
 
@@ -174,15 +182,20 @@ def measure_once(urls: list[str], stores: list[Store], how: str, names: list[str
     procs = [context.Process(target=_run_process, args=(
         urls[s], name, args.rows_per_run, args.seed * 1000 + i, args, barrier, results))
         for i, (name, s) in enumerate(zip(names, servers))]
-    for proc in procs:
-        proc.start()
-    times = [results.get(timeout=1200) for _ in procs]
-    for proc in procs:
-        proc.join()
-    failed = [t for t in times if isinstance(t, str)]
-    if failed:
-        raise SystemExit(f"a run process failed: {failed[0]}")
-    check_and_delete(stores, names, servers, args.rows_per_run)
+    try:
+        for proc in procs:
+            proc.start()
+        times = [results.get(timeout=1200) for _ in procs]
+        for proc in procs:
+            proc.join()
+        failed = [t for t in times if isinstance(t, str)]
+        if failed:
+            raise SystemExit(f"a run process failed: {failed[0]}")
+        check_runs(stores, names, servers, args.rows_per_run)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+        delete_runs(stores, names)
     rows = args.rows_per_run * args.runs
     write = rows / (max(t[1] for t in times) - min(t[0] for t in times))
     lease = rows / (max(t[3] for t in times) - min(t[2] for t in times))
@@ -226,20 +239,29 @@ def _measure(urls: list[str], stores: list[Store], args) -> None:
     report_measured(rates, spread, len(urls), args)
 
 
+def _against_one(rates: dict, how: str, k: int) -> tuple[float, str]:
+    """The median of the repeats' own ratios to one server (each round ran minutes apart from
+    its one-server round, so the machine's drift moves both), and their range."""
+    ratios = [a / b for a, b in zip(rates[how][k], rates["one server"][k])]
+    return statistics.median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def report_measured(rates: dict, spread: dict, n_servers: int, args) -> None:
     table = Table(title=f"(a) {args.runs} runs x {args.rows_per_run:,} rows on {n_servers} "
-                        f"servers, rows/s of all runs (median of {args.repeat})")
+                        f"servers, rows/s of all runs (median of {args.repeat}); against one "
+                        "server: the median of the repeats' ratios, and their range")
     for name in ("placement", "runs per server", "write", "vs one server", "lease+commit",
                  "vs one server"):
         table.add_column(name, justify="left" if name == "placement" else "right")
-    base = [statistics.median(rates["one server"][k]) for k in (0, 1)]
     lines = []
     for how in PLACEMENTS:
         write, lease = (statistics.median(rates[how][k]) for k in (0, 1))
-        table.add_row(how, str(spread[how]), f"{write:,.0f}", f"{write / base[0]:.2f}",
-                      f"{lease:,.0f}", f"{lease / base[1]:.2f}")
-        lines.append(f"{how} {spread[how]}: write {write:,.0f} rows/s ({write / base[0]:.2f} of "
-                     f"one server) | lease+commit {lease:,.0f} rows/s ({lease / base[1]:.2f})")
+        (w_ratio, w_range), (l_ratio, l_range) = (_against_one(rates, how, k) for k in (0, 1))
+        table.add_row(how, str(spread[how]), f"{write:,.0f}", f"{w_ratio:.2f} ({w_range})",
+                      f"{lease:,.0f}", f"{l_ratio:.2f} ({l_range})")
+        lines.append(f"{how} {spread[how]}: write {write:,.0f} rows/s ({w_ratio:.2f} of one "
+                     f"server, {w_range}) | lease+commit {lease:,.0f} rows/s ({l_ratio:.2f}, "
+                     f"{l_range})")
     console.print(table)
     for line in lines:
         print(line)
