@@ -5,9 +5,10 @@
     of that run would: it writes its rows through `Store.write_groups`, then leases and commits
     them all through `Store.lease` + `Store.commit_step`, the R processes in step (a barrier
     before each phase). The same runs are placed three ways: all on one server; over the K
-    servers by a hash of the run's name (the design in README, "How the store scales"); and
-    round robin (balanced). Printed: rows/s of all processes together per phase, and the
-    ratio to one server.
+    servers by a hash of the run's name (placement that needs no table); and round robin
+    (balanced). After each round every run is checked on its server (all rows consumed, a
+    ledger row each, on no other server) and deleted. Printed: rows/s of all processes
+    together per phase, and against one server the median of the repeats' own ratios.
 (b) simulated: a cluster of G GPUs, each generating `--rollouts-per-gpu` rows/s, split into runs
     of 8 to 256 GPUs (drawn at random; a writer and a lessee process per host of 8 GPUs),
     placed over N store nodes by hash of name, by least demand, or least demand with runs too
