@@ -46,8 +46,10 @@ from rich.table import Table
 from sqlalchemy import text
 
 from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
+from reservoir.errors import StoreError
 from reservoir.store import Store, server
 from reservoir.store.engine import redact
+from reservoir.store.retry import describe_outage, is_outage
 from reservoir.store.runs import delete_run
 
 from store import make_pool, timed_leases, timed_writes  # bench/store.py
@@ -56,7 +58,7 @@ console = Console(width=None if sys.stdout.isatty() else 120)
 PLACEMENTS = ("one server", "by hash", "round robin")
 POLICIES = ("by hash", "least demand", "sharded")
 RUN_GPUS = (8, 16, 32, 64, 128, 256)  # run sizes drawn with equal chance
-GPUS_PER_EXPLORER = 8
+GPUS_PER_HOST = 8
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,6 +103,10 @@ def parse_args() -> argparse.Namespace:
         p.error("node figures, ratios, --gpus and --rollouts-per-gpu must be finite and > 0")
     if args.node_write[0] > args.node_write[1] or args.node_lease[0] > args.node_lease[1]:
         p.error("a node's one-process figure cannot exceed its saturated figure")
+    if args.urls is not None:
+        args.urls = [url.strip() for url in args.urls.split(",") if url.strip()]
+        if not args.urls:
+            p.error("--urls names no URL (give URL1,URL2,...)")
     return args
 
 
@@ -140,6 +146,8 @@ def _run_process(url: str, run: str, rows: int, seed: int, args, barrier, result
     except Exception as exc:
         barrier.abort()
         results.put(f"run {run}: {type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C reaches every process: the parent reports and cleans up
+        pass
 
 
 COUNTS = text("""
@@ -312,7 +320,7 @@ def draw_runs(rng: np.random.Generator, gpus: int) -> list[Run]:
 
 def processes(gpus: int) -> int:
     """Writer processes of a run (or shard), and as many lessees: one each per host of 8 GPUs."""
-    return math.ceil(gpus / GPUS_PER_EXPLORER)
+    return math.ceil(gpus / GPUS_PER_HOST)
 
 
 def shards(run: Run, rate: float, model: NodeModel) -> list[Run]:
@@ -327,12 +335,10 @@ def shards(run: Run, rate: float, model: NodeModel) -> list[Run]:
     return [Run(f"{run.name}/{i}", size) for i, size in enumerate(sizes)]
 
 
-def assign(runs: list[Run], policy: str, nodes: int, rate: float,
-           model: NodeModel) -> list[tuple[Run, int]]:
+def assign(runs: list[Run], policy: str, nodes: int, rate: float) -> list[tuple[Run, int]]:
+    """Runs (for "sharded", already split by `shards`) placed over `nodes` nodes."""
     if policy == "by hash":
         return [(run, place(run.name, nodes)) for run in runs]
-    if policy == "sharded":
-        runs = [part for run in runs for part in shards(run, rate, model)]
     demand = np.zeros(nodes)
     placed = []
     for run in runs:  # in the order they start: each to the node with the least demand yet
@@ -378,11 +384,13 @@ def simulate_scenario(clusters: list[list[Run]], gpus: int, rate: float, model: 
     placement policy; shown: the fewest, each policy's nodes needed, and twice the fewest."""
     demand = gpus * rate
     fewest = min(args.max_nodes, max(1, math.ceil(demand / saturated)))
+    split = [[part for run in runs for part in shards(run, rate, model)] for runs in clusters]
+    placed_runs = {"by hash": clusters, "least demand": clusters, "sharded": split}
     results, needed = {}, {}
     for nodes in range(fewest, args.max_nodes + 1):
         for policy in POLICIES:
-            outcomes = [simulate(assign(runs, policy, nodes, rate, model), nodes, rate, model)
-                        for runs in clusters]
+            outcomes = [simulate(assign(runs, policy, nodes, rate), nodes, rate, model)
+                        for runs in placed_runs[policy]]
             kept = [k for k, _ in outcomes]
             results[nodes, policy] = (statistics.median(kept), float(np.percentile(kept, 5)),
                                       statistics.median(b for _, b in outcomes))
@@ -411,9 +419,8 @@ def main() -> None:
     args = parse_args()
     if not args.skip_measure:
         if args.urls:
-            urls = [u.strip() for u in args.urls.split(",") if u.strip()]
-            console.print(f"(a) servers: {', '.join(redact(u) for u in urls)}")
-            measure(urls, args)
+            console.print(f"(a) servers: {', '.join(redact(u) for u in args.urls)}")
+            measure(args.urls, args)
         else:
             root = Path(tempfile.mkdtemp(prefix="reservoir-cluster-"))
             try:
@@ -426,4 +433,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise SystemExit("bench/cluster.py: interrupted; its runs were deleted and any server "
+                         "it started was stopped") from None
+    except Exception as exc:  # a server that cannot be opened or reached: one line
+        if not (isinstance(exc, StoreError) or is_outage(exc)):
+            raise
+        raise SystemExit(f"bench/cluster.py: {describe_outage(exc)}") from None
