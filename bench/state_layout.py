@@ -1,0 +1,213 @@
+"""Where a lease's and a step commit's server time goes, index by index, in the same run.
+
+A lease rewrites each row's narrow state (ready -> leased) and the step commit rewrites it
+again (leased -> consumed). Neither rewrite can be in place (HOT: both change `status`, which
+the partial indexes read), so each new version takes an entry in every index whose predicate
+it meets: the primary key, the unique group index (group_id, group_row, run_id), and for a
+lease the index of leased rows. The group ids are random (uuid4), so the group index's entries
+land on a different leaf page each, where the primary key's (ids in order) share a few.
+
+This bench copies the layout of a run's state partition (`CREATE TABLE .. (LIKE .. INCLUDING
+ALL)`: the store's own columns, checks and indexes) into tables of a scratch schema, fills them
+with the same rows, and times the two rewrites batch by batch, taking turns:
+
+- `store`: the partition's layout as it is;
+- `no group index`: the same without the group index, as if it lived on the write-once data
+  row (which a lease and a commit never rewrite);
+
+and the two ledgers a commit could write: one row per experience (batch_items' layout: its
+primary key and experience index), against one row per step holding the ids and weights as
+arrays. Each statement is timed from the client, one at a time on one connection: the
+server's work plus one round trip. Medians of the batches (the first tenth left out as warm-up),
+ratios to `store`.
+
+    python bench/state_layout.py --url postgresql://postgres@127.0.0.1:5432/bench_store
+    python bench/state_layout.py            # embedded server under ./.reservoir/pg
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+import uuid
+
+import asyncpg
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
+from reservoir.errors import StoreError
+from reservoir.store import Store, partitions
+from reservoir.store.retry import describe_outage, is_outage
+from reservoir.store.runs import delete_run
+
+from store import asyncpg_args  # bench/store.py
+
+console = Console()
+LAYOUTS = ("store", "no group index")
+LEDGERS = ("one row per experience", "one row per step")
+
+LEASE = """
+UPDATE {table} SET status = 'leased', lease_token = $1, leased_until = now() + interval '10 min'
+WHERE run_id = $2 AND id = ANY(ARRAY(
+    SELECT id FROM {table} WHERE run_id = $2 AND status = 'ready'
+    ORDER BY created_at, id LIMIT $3 FOR UPDATE SKIP LOCKED))
+RETURNING id"""
+COMMIT = """
+UPDATE {table} SET status = 'consumed', times_sampled = times_sampled + 1, lease_token = NULL,
+    leased_until = NULL
+WHERE run_id = $2 AND id = ANY($3::bigint[]) AND lease_token = $1"""
+LEDGER = {
+    "one row per experience": """
+INSERT INTO {schema}.items (train_step_id, run_id, experience_id, policy_version, weight)
+SELECT $1, $2, w.id, 0, w.weight FROM unnest($3::bigint[], $4::float8[]) AS w (id, weight)""",
+    "one row per step": """
+INSERT INTO {schema}.steps (train_step_id, run_id, experience_ids, weights)
+VALUES ($1, $2, $3::bigint[], $4::float8[])""",
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="PostgreSQL URL (default: RESERVOIR_DB_URL, else embedded)")
+    p.add_argument("--batch", type=int, default=256, help="rows per lease")
+    p.add_argument("--batches", type=int, default=150, help="leases per layout")
+    p.add_argument("--group-size", type=int, default=8)
+    args = p.parse_args()
+    for flag, value in {"--batch": args.batch, "--batches": args.batches,
+                        "--group-size": args.group_size}.items():
+        if not 1 <= value <= 100_000:
+            p.error(f"{flag} must be between 1 and 100000, got {value}")
+    return args
+
+
+async def build(conn: asyncpg.Connection, schema: str, partition: str, rows: int,
+                group_size: int) -> dict[str, str]:
+    """The layouts' tables, each with the same `rows` ready rows, and the two ledgers."""
+    tables = {}
+    for i, layout in enumerate(LAYOUTS):
+        table = f"{schema}.state_{i}"
+        await conn.execute(f"CREATE TABLE {table} (LIKE {partition} INCLUDING ALL)")
+        tables[layout] = table
+    group_index = await conn.fetchval(
+        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+        "WHERE i.indrelid = $1::regclass AND i.indisunique AND NOT i.indisprimary",
+        tables["no group index"])
+    if group_index is None:
+        raise StoreError(f"{partition} has no unique group index: the layout changed")
+    await conn.execute(f"DROP INDEX {schema}.{group_index}")
+    groups = -(-rows // group_size)
+    await conn.execute(f"CREATE TABLE {schema}.group_ids AS SELECT g, gen_random_uuid() AS id "
+                       f"FROM generate_series(0, {groups - 1}) g")
+    for table in tables.values():
+        await conn.execute(f"""
+INSERT INTO {table} (id, run_id, group_id, group_row, policy_version, status, created_at)
+SELECT n, 1, g.id, n % {group_size}, 0, 'ready', now() + n * interval '1 microsecond'
+FROM generate_series(0, {rows - 1}) n JOIN {schema}.group_ids g ON g.g = n / {group_size}""")
+        await conn.execute(f"VACUUM ANALYZE {table}")
+    await conn.execute(f"CREATE TABLE {schema}.items (LIKE batch_items INCLUDING ALL)")
+    await conn.execute(f"CREATE TABLE {schema}.steps (train_step_id bigint PRIMARY KEY, "
+                       "run_id bigint NOT NULL, experience_ids bigint[] NOT NULL, "
+                       "weights float8[] NOT NULL)")
+    return tables
+
+
+async def timed(statement, *args) -> tuple[float, list]:
+    start = time.perf_counter()
+    rows = await statement.fetch(*args)
+    return time.perf_counter() - start, rows
+
+
+async def measure(conn: asyncpg.Connection, schema: str, tables: dict[str, str],
+                  args) -> dict[str, list[float]]:
+    """Per layout the lease and commit times, per ledger the insert times, in turns."""
+    lease = {k: await conn.prepare(LEASE.format(table=t)) for k, t in tables.items()}
+    commit = {k: await conn.prepare(COMMIT.format(table=t)) for k, t in tables.items()}
+    ledger = {k: await conn.prepare(sql.format(schema=schema)) for k, sql in LEDGER.items()}
+    times: dict[str, list[float]] = {}
+    weights = [1.0] * args.batch
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("lease, commit and ledger, in turns", total=args.batches)
+        for step in range(args.batches):
+            order = LAYOUTS if step % 2 else LAYOUTS[::-1]  # neither always goes first
+            for layout in order:
+                token = uuid.uuid4()
+                seconds, rows = await timed(lease[layout], token, 1, args.batch)
+                if len(rows) != args.batch:
+                    raise StoreError(f"{layout}: the lease found {len(rows)} of {args.batch} rows")
+                times.setdefault(f"lease|{layout}", []).append(seconds)
+                ids = [row[0] for row in rows]
+                seconds, _ = await timed(commit[layout], token, 1, ids)
+                times.setdefault(f"commit|{layout}", []).append(seconds)
+                if layout == "store":
+                    for kind in (LEDGERS if step % 2 else LEDGERS[::-1]):
+                        seconds, _ = await timed(ledger[kind], step, 1, ids, weights)
+                        times.setdefault(f"ledger|{kind}", []).append(seconds)
+            progress.advance(task)
+    return times
+
+
+def report(times: dict[str, list[float]], args) -> None:
+    ms = {key: statistics.median(values[len(values) // 10:]) * 1e3  # the first tenth: warm-up
+          for key, values in times.items()}
+    table = Table(title=f"server + round trip, ms per batch of {args.batch} rows (median)")
+    for column in ("part", *LAYOUTS, "ratio"):
+        table.add_column(column, justify="right" if column != "part" else "left")
+    for part in ("lease", "commit"):
+        a, b = ms[f"{part}|store"], ms[f"{part}|no group index"]
+        table.add_row(part, f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}")
+    a = ms["lease|store"] + ms["commit|store"]
+    b = ms["lease|no group index"] + ms["commit|no group index"]
+    table.add_row("lease + commit", f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}")
+    console.print(table)
+    for part in ("lease", "commit"):
+        a, b = ms[f"{part}|store"], ms[f"{part}|no group index"]
+        print(f"{part}: store {a:.2f} ms | no group index {b:.2f} ms | ratio {b / a:.2f} "
+              f"(the group index: {a - b:.2f} ms, {(a - b) * 1e3 / args.batch:.1f} us a row)")
+    rows, step = ms["ledger|one row per experience"], ms["ledger|one row per step"]
+    print(f"ledger: one row per experience {rows:.2f} ms | one row per step {step:.2f} ms | "
+          f"ratio {step / rows:.2f} (without batch_items' key trigger, which the store adds)")
+
+
+async def run(url: str, run_id: int, args) -> None:
+    schema = f"layout_bench_{run_id}"
+    conn = await asyncpg.connect(**asyncpg_args(url))
+    try:
+        await conn.execute(f"CREATE SCHEMA {schema}")
+        rows = args.batch * (args.batches + 1)
+        partition = partitions.name("experience_state", run_id)
+        tables = await build(conn, schema, partition, rows, args.group_size)
+        report(await measure(conn, schema, tables, args), args)
+    finally:
+        await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        await conn.close()
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        config = ReservoirConfig(store=StoreConfig(url=args.url),
+                                 sampler=SamplerConfig(unit="rows"))
+        store = Store.open(config, migrate=True, quiet=True)
+    except Exception as exc:
+        if not (isinstance(exc, StoreError) or is_outage(exc)):
+            raise
+        raise SystemExit(f"bench/state_layout.py: {describe_outage(exc)}") from None
+    name = f"layout-bench-{int(time.time())}"
+    run_id = store.create_run(name, group_size=args.group_size)
+    try:
+        asyncio.run(run(store.url, run_id, args))
+    except KeyboardInterrupt:
+        raise SystemExit("bench/state_layout.py: stopped (Ctrl-C); the scratch tables were "
+                         "dropped") from None
+    finally:
+        with store.engine.begin() as conn:
+            delete_run(conn, name)
+        store.close()
+
+
+if __name__ == "__main__":
+    main()
