@@ -46,13 +46,11 @@ from rich.table import Table
 from sqlalchemy import text
 
 from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
-from reservoir.errors import StoreError
 from reservoir.store import Store, server
 from reservoir.store.engine import redact
-from reservoir.store.retry import describe_outage, is_outage
 from reservoir.store.runs import delete_run
 
-from store import make_pool, timed_leases, timed_writes  # bench/store.py
+from store import make_pool, run_main, timed_leases, timed_writes  # bench/store.py
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 PLACEMENTS = ("one server", "by hash", "round robin")
@@ -434,11 +432,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     try:
-        main()
+        run_main("cluster.py", main)
     except KeyboardInterrupt:
         raise SystemExit("bench/cluster.py: interrupted; its runs were deleted and any server "
                          "it started was stopped") from None
-    except Exception as exc:  # a server that cannot be opened or reached: one line
-        if not (isinstance(exc, StoreError) or is_outage(exc)):
-            raise
-        raise SystemExit(f"bench/cluster.py: {describe_outage(exc)}") from None

@@ -41,10 +41,9 @@ from rich.table import Table
 from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
 from reservoir.errors import StoreError
 from reservoir.store import Store, partitions
-from reservoir.store.retry import describe_outage, is_outage
 from reservoir.store.runs import delete_run
 
-from store import asyncpg_args  # bench/store.py
+from store import asyncpg_args, run_main  # bench/store.py
 
 console = Console()
 LAYOUTS = ("store", "no group index")
@@ -188,14 +187,8 @@ async def run(url: str, run_id: int, args) -> None:
 
 def main() -> None:
     args = parse_args()
-    try:
-        config = ReservoirConfig(store=StoreConfig(url=args.url),
-                                 sampler=SamplerConfig(unit="rows"))
-        store = Store.open(config, migrate=True, quiet=True)
-    except Exception as exc:
-        if not (isinstance(exc, StoreError) or is_outage(exc)):
-            raise
-        raise SystemExit(f"bench/state_layout.py: {describe_outage(exc)}") from None
+    config = ReservoirConfig(store=StoreConfig(url=args.url), sampler=SamplerConfig(unit="rows"))
+    store = Store.open(config, migrate=True, quiet=True)
     name = f"layout-bench-{int(time.time())}"
     run_id = store.create_run(name, group_size=args.group_size)
     try:
@@ -210,4 +203,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main("state_layout.py", main)

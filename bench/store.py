@@ -70,8 +70,10 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import make_url
 
 from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
+from reservoir.errors import StoreError
 from reservoir.store import Experience, Store, codec
 from reservoir.store.engine import redact
+from reservoir.store.retry import describe_outage, is_outage
 from reservoir.store.runs import delete_run
 from reservoir.store.sampler import lease_statement
 from reservoir.store.writer import COPY_DATA_COLUMNS, COPY_STATE_COLUMNS
@@ -815,5 +817,15 @@ def main() -> None:
         store.close()
 
 
+def run_main(script: str, bench_main) -> None:
+    """A bench's main, where a server that cannot be reached or opened ends in one line."""
+    try:
+        bench_main()
+    except Exception as exc:
+        if not (isinstance(exc, StoreError) or is_outage(exc)):
+            raise
+        raise SystemExit(f"bench/{script}: {describe_outage(exc)}") from None
+
+
 if __name__ == "__main__":
-    main()
+    run_main("store.py", main)
