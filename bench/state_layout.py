@@ -48,6 +48,7 @@ from store import asyncpg_args, run_main  # bench/store.py
 console = Console()
 LAYOUTS = ("store", "no group index")
 LEDGERS = ("one row per experience", "one row per step")
+MAX_ROWS = 5_000_000  # rows of each layout's table
 
 LEASE = """
 UPDATE {table} SET status = 'leased', lease_token = $1, leased_until = now() + interval '10 min'
@@ -80,6 +81,9 @@ def parse_args() -> argparse.Namespace:
                         "--group-size": args.group_size}.items():
         if not 1 <= value <= 100_000:
             p.error(f"{flag} must be between 1 and 100000, got {value}")
+    if args.batch * (args.batches + 1) > MAX_ROWS:
+        p.error(f"--batch x (--batches + 1) is the rows of each table: at most {MAX_ROWS:,}, "
+                f"got {args.batch * (args.batches + 1):,}")
     return args
 
 
@@ -155,17 +159,18 @@ def report(times: dict[str, list[float]], args) -> None:
     table = Table(title=f"server + round trip, ms per batch of {args.batch} rows (median)")
     for column in ("part", *LAYOUTS, "ratio"):
         table.add_column(column, justify="right" if column != "part" else "left")
+    lines = []
     for part in ("lease", "commit"):
         a, b = ms[f"{part}|store"], ms[f"{part}|no group index"]
         table.add_row(part, f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}")
+        lines.append(f"{part}: store {a:.2f} ms | no group index {b:.2f} ms | ratio {b / a:.2f} "
+                     f"(the group index: {a - b:.2f} ms, {(a - b) * 1e3 / args.batch:.1f} us a "
+                     "row)")
     a = ms["lease|store"] + ms["commit|store"]
     b = ms["lease|no group index"] + ms["commit|no group index"]
     table.add_row("lease + commit", f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}")
     console.print(table)
-    for part in ("lease", "commit"):
-        a, b = ms[f"{part}|store"], ms[f"{part}|no group index"]
-        print(f"{part}: store {a:.2f} ms | no group index {b:.2f} ms | ratio {b / a:.2f} "
-              f"(the group index: {a - b:.2f} ms, {(a - b) * 1e3 / args.batch:.1f} us a row)")
+    print("\n".join(lines))
     rows, step = ms["ledger|one row per experience"], ms["ledger|one row per step"]
     print(f"ledger: one row per experience {rows:.2f} ms | one row per step {step:.2f} ms | "
           f"ratio {step / rows:.2f} (without batch_items' key trigger, which the store adds)")
