@@ -15,7 +15,8 @@ What is compared (rows/s, and the ratio Reservoir / bare; the target is >= 0.8 f
     commit writes (the rows consumed, a step row, one ledger row per row with its two keys
     checked as foreign keys, in one statement and a transaction of its own), on a second queue
     of its own. Reservoir's lease and step commit are one statement each, committed alone, and
-    the ledger's keys are statement triggers (migration 0017).
+    the ledger's keys are statement triggers (migration 0017). A third diagnostic: the lease a
+    trainer makes, `Store.lease(run, groups=B / group size)` + commit, against the bare loop.
 (c) scaling: 1, 2 and 4 writer processes at once, each writing its own rows through
     `Store.write_groups` or the bare COPY; rows/s of all of them together, and the ratio.
 (d) many runs: Reservoir's writes and lease + commits of the bench run on a store of 200 more
@@ -113,7 +114,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="repeats; the median is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the bench run and the bare tables")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.group_size < 1 or args.batch < 1 or args.batch % args.group_size:
+        p.error(f"--batch {args.batch} must be a positive multiple of --group-size "
+                f"{args.group_size} (a lease of whole groups)")
+    return args
 
 
 # --- input rows -----------------------------------------------------------------------------
@@ -420,12 +425,15 @@ def timed_writes(store: Store, groups: list[list[Experience]], groups_per_call: 
     return time.perf_counter() - start
 
 
-def timed_leases(store: Store, run: str, batches: int, batch: int, steps) -> list[tuple]:
-    """Lease and commit `batches` batches; per batch (lease seconds, lease+commit seconds)."""
+def timed_leases(store: Store, run: str, batches: int, batch: int, steps,
+                 group_size: int | None = None) -> list[tuple]:
+    """Lease and commit `batches` batches of `batch` rows (whole groups of `group_size`, given
+    one); per batch (lease seconds, lease+commit seconds)."""
     times = []
     for _ in range(batches):
         start = time.perf_counter()
-        lease = store.lease(run, rows=batch)
+        lease = (store.lease(run, rows=batch) if group_size is None
+                 else store.lease(run, groups=batch // group_size))
         leased = time.perf_counter()
         store.commit_step(lease, step=next(steps), policy_version=0)
         times.append((leased - start, time.perf_counter() - start))
@@ -457,10 +465,12 @@ def measure_writes(store: Store, bare: Bare, pool: Pool, run_id: int, args) -> l
 
 
 def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dict:
-    """Lease+commit against the bare loop (the target), the lease part alone against it, and
-    lease+commit against a bare loop that commits the same step and ledger rows."""
+    """Lease+commit against the bare loop (the target), the lease part alone against it,
+    lease+commit against a bare loop that commits the same step and ledger rows, and the lease
+    of whole groups (a trainer's) + commit against the bare loop."""
     ours = Measure("reservoir")
     lease_part = Measure("reservoir (lease part)")
+    ours_groups = Measure("reservoir, whole groups")
     theirs = Measure("bare UPDATE..RETURNING, one-table queue")
     theirs_committed = Measure("bare UPDATE..RETURNING + step and ledger rows")
     rows, steps, bare_steps = args.lease_batches * args.batch, count(1), count(1)
@@ -470,6 +480,10 @@ def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dic
         ours.add_batch(total)
         lease_part.add_batch(lease)
 
+    def reservoir_groups_side():
+        [(_, total)] = timed_leases(store, run, 1, args.batch, steps, args.group_size)
+        ours_groups.add_batch(total)
+
     def bare_side():
         [(_, total)] = bare.lease(run_id, 1, args.batch, store.flow.lease_seconds)
         theirs.add_batch(total)
@@ -478,22 +492,25 @@ def measure_leases(store: Store, bare: Bare, run: str, run_id: int, args) -> dic
         [(_, total)] = bare.lease(run_id, 1, args.batch, store.flow.lease_seconds, bare_steps)
         theirs_committed.add_batch(total)
 
-    sides = [reservoir_side, bare_side, bare_committing_side]
+    sides = [reservoir_side, bare_side, bare_committing_side, reservoir_groups_side]
+    measures = (ours, lease_part, theirs, theirs_committed, ours_groups)
     for r in range(args.repeat):
-        for measure in (ours, lease_part, theirs, theirs_committed):
+        for measure in measures:
             measure.start_repeat()
-        for batch in range(args.lease_batches):  # the three loops take turns, batch by batch
-            turn = (batch + r) % 3
+        for batch in range(args.lease_batches):  # the loops take turns, batch by batch
+            turn = (batch + r) % len(sides)
             for side in sides[turn:] + sides[:turn]:
                 side()
-        for measure in (ours, lease_part, theirs, theirs_committed):
+        for measure in measures:
             measure.end_repeat(rows)
         console.print(f"  lease repeat {r + 1}: reservoir lease+commit {ours.rates[-1]:,.0f} "
                       f"rows/s (lease part {lease_part.rates[-1]:,.0f}), bare "
                       f"{theirs.rates[-1]:,.0f} rows/s, bare with step and ledger "
-                      f"{theirs_committed.rates[-1]:,.0f} rows/s")
+                      f"{theirs_committed.rates[-1]:,.0f} rows/s, reservoir whole groups "
+                      f"{ours_groups.rates[-1]:,.0f} rows/s")
     return {"lease+commit": [ours, theirs], "lease only": [lease_part, theirs],
-            "lease+commit, same ledger": [ours, theirs_committed]}
+            "lease+commit, same ledger": [ours, theirs_committed],
+            "lease+commit, whole groups": [ours_groups, theirs]}
 
 
 def fill(store: Store, bare: Bare, pool: Pool, run_id: int, target: int, args) -> int:
@@ -674,7 +691,7 @@ def run_bench(store: Store, bare: Bare, run: str, run_id: int, args) -> dict[str
                   f"{time.perf_counter() - started:.1f}s")
     pairs = {"write": measure_writes(store, bare, pool, run_id, args)}
     check_same_rows(bare, run_id)
-    target = max(args.rows, (2 * args.repeat * args.lease_batches + 1) * args.batch)
+    target = max(args.rows, (3 * args.repeat * args.lease_batches + 1) * args.batch)
     ready = fill(store, bare, pool, run_id, target, args)
     settle(bare)
     console.print(f"lease tables: {ready:,} ready rows each (run {run})")

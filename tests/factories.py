@@ -61,3 +61,22 @@ def planned_relations(engine, statement, params: dict) -> set[str]:
             yield from relations(child)
 
     return set(relations(plan[0]["Plan"])) - {None}
+
+
+def rows_read(engine, statement, params: dict, table_prefix: str) -> int:
+    """The rows the server's scans of the tables named `table_prefix*` read (returned or
+    removed by a filter, every loop) when it runs `statement`, in a transaction rolled back."""
+    with engine.connect() as conn:
+        bound = statement.compile(dialect=conn.dialect).construct_expanded_state(params)
+        plan = conn.exec_driver_sql("EXPLAIN (ANALYZE, FORMAT JSON) " + bound.statement,
+                                    bound.parameters).scalar()
+        conn.rollback()
+
+    def read(node):
+        if (node.get("Relation Name") or "").startswith(table_prefix):
+            yield (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+                   + node.get("Rows Removed by Index Recheck", 0)) * node["Actual Loops"]
+        for child in node.get("Plans", []):
+            yield from read(child)
+
+    return round(sum(read(plan[0]["Plan"])))

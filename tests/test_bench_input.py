@@ -23,3 +23,11 @@ def test_a_bench_given_an_unreachable_server_ends_in_one_line(script, flag):
     last = done.stderr.strip().splitlines()
     assert len(last) == 1, done.stderr
     assert last[0].startswith(f"bench/{script}: ") and "port 1" in last[0]
+
+
+def test_store_bench_refuses_a_batch_that_is_not_whole_groups():
+    done = subprocess.run([sys.executable, str(BENCH / "store.py"), "--url", NOWHERE,
+                           "--batch", "100", "--group-size", "8"],
+                          capture_output=True, text=True, timeout=120, cwd=BENCH.parent)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--batch 100 must be a positive multiple of --group-size 8" in done.stderr

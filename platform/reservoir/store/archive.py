@@ -280,6 +280,7 @@ def restore_run(target: Store | Engine | str, in_dir: Path | str, *, chunk_rows:
             with _failures(f"{what}: {table.file}", "nothing was restored"):
                 _insert_table(conn, manifest, name, run_id, chunk_rows, progress)
             _advance_ids(conn, name)
+        conn.execute(partitions.analyze(run_id))  # new partitions: no statistics yet
         conn.execute(TOUCH_RUN, {"run": run_id})
     return manifest
 

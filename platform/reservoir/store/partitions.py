@@ -28,12 +28,25 @@ UNLINK = [text(sql) for sql in (
     "WHERE parent_run_id = :run",
 )]
 ADD = text("SELECT experience_partitions_add(:run)")
+# A run's partitions start without statistics; autovacuum, where it is on, analyzes them a
+# minute or more later. Until then the planner takes `run_id = N AND status = 'ready'` to match
+# one row in 40,000 and a group lease read every ready row of its run to find its groups' rows
+# (14,880 for 256 leased); the leases' kept plans (engine.KEPT_PLANS_SETTINGS) are planned again
+# once statistics come. The writer analyzes a run's state partition when it first holds this
+# many rows, a restore when it has put the rows back.
+FIRST_STATISTICS_AT = 1024
 DETACH_TRIES, DETACH_WAIT = 5, "1s"  # each try holds new leases back for at most DETACH_WAIT
 
 
 def name(parent: str, run_id: int) -> str:
     """The run's partition of a partitioned table."""
     return f"{parent}_r{int(run_id)}"
+
+
+def analyze(run_id: int):
+    """Statement: the statistics of the run's state partition (skipped, not waited for, while
+    another ANALYZE or VACUUM holds it)."""
+    return text(f"ANALYZE (SKIP_LOCKED) {name('experience_state', run_id)}")
 
 
 def names(run_id: int) -> list[str]:

@@ -100,12 +100,14 @@ def add_inserted(run_id: int, n: int):
             .values(rows_inserted=runs.c.rows_inserted + n, updated_at=func.now()))
 
 
-# Statement: add rows written to each run's counter and notify each run's channel (at commit).
+# Statement: add rows written to each run's counter and notify each run's channel (at commit);
+# returns each run's id with its counter before and after.
 INSERTED_AND_NOTIFY = text(f"""
 UPDATE runs SET rows_inserted = rows_inserted + w.n, updated_at = now()
 FROM unnest(:run_ids, :counts) AS w (run_id, n)
 WHERE runs.id = w.run_id
-RETURNING pg_notify(concat('{ROWS_CHANNEL}', runs.id), CAST(:what AS text))
+RETURNING runs.id, runs.rows_inserted - w.n, runs.rows_inserted,
+          pg_notify(concat('{ROWS_CHANNEL}', runs.id), CAST(:what AS text))
 """).bindparams(bindparam("run_ids", type_=ARRAY(BigInteger)),
                 bindparam("counts", type_=ARRAY(BigInteger)))
 

@@ -19,6 +19,7 @@ only: every later status belongs to the sampler, the ledger and pipelines.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import Counter
@@ -65,6 +66,7 @@ LOOKUP = text(_LOOKUP.format(parents="SELECT id, run_id FROM experience_state WH
 LOOKUP_NO_PARENTS = text(_LOOKUP.format(parents="SELECT 0::bigint AS id, 0::bigint AS run_id "
                                                 "WHERE false"))
 WRITABLE = ("raw", "ready")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,9 +129,9 @@ async def write_groups(
             stream = _Stream(admitted, parent_runs, on_invalid, result)
             await _copy(conn, stream, ids, status)
             written = sorted(stream.rows_per_run().items())
-            await conn.execute(runs.INSERTED_AND_NOTIFY, {
+            counted = (await conn.execute(runs.INSERTED_AND_NOTIFY, {
                 "run_ids": [r for r, _ in written], "counts": [n for _, n in written],
-                "what": status})
+                "what": status})).all()
     except asyncpg.UniqueViolationError as exc:
         raise StoreError(f"a group id of this batch was written by another writer meanwhile "
                          f"({exc.constraint_name}); nothing of this batch was written") from None
@@ -139,10 +141,27 @@ async def write_groups(
             reason = f"the connection to the database was lost ({reason})"
         raise StoreError(f"writing {len(admitted)} groups failed in the database; nothing of "
                          f"this batch was written: {reason}") from exc
+    await _first_statistics(engine, [(run_id, before, after)
+                                     for run_id, before, after, _ in counted])
     result.group_ids = [group.group_id for group in stream.accepted]
     result.groups, result.rows = len(stream.accepted), sum(n for _, n in written)
     result.rejected.sort(key=lambda exc: exc.group_index)
     return result
+
+
+async def _first_statistics(engine: AsyncEngine, counted: list[tuple[int, int, int]]) -> None:
+    """Analyze the state partition of each run this write took to FIRST_STATISTICS_AT rows
+    (partitions.py), from (run id, rows before, rows after). The rows are committed: if this
+    fails, the statistics wait for autovacuum, and the write stands."""
+    first = [run_id for run_id, before, after in counted
+             if before < partitions.FIRST_STATISTICS_AT <= after]
+    try:
+        for run_id in first:
+            async with engine.begin() as conn:
+                await conn.execute(partitions.analyze(run_id))
+    except (asyncpg.PostgresError, DBAPIError, OSError) as exc:
+        log.warning("the rows were written; analyzing their run's partition failed: %s",
+                    describe(getattr(exc, "orig", None) or exc))
 
 
 async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status: str) -> None:
