@@ -17,9 +17,16 @@ with the same rows, and times the two rewrites batch by batch, taking turns:
 
 and the two ledgers a commit could write: one row per experience (batch_items' layout: its
 primary key and experience index), against one row per step holding the ids and weights as
-arrays. Each statement is timed from the client, one at a time on one connection: the
-server's work plus one round trip. Medians of the batches (the first tenth left out as warm-up),
-ratios to `store`.
+arrays. And what the group index serves: the lease a trainer makes, of whole groups (its
+groups' leaders, their rows, their sizes), with the commit after it, on two more copies:
+`store`, and `group index on the data row`, where the group's id and row number live on a
+write-once table of (id, run_id, group_id, group_row) with the unique index (covering the id),
+and every group lookup reads it and then the state row by id. Both group leases join that table
+by id, as the store's lease joins the data rows it returns.
+
+Each statement is timed from the client, one at a time on one connection: the server's work
+plus one round trip. Medians of the batches (the first tenth left out as warm-up), ratios to
+`store`.
 
     python bench/state_layout.py --url postgresql://postgres@127.0.0.1:5432/bench_store
     python bench/state_layout.py            # embedded server under ./.reservoir/pg
@@ -60,6 +67,56 @@ COMMIT = """
 UPDATE {table} SET status = 'consumed', times_sampled = times_sampled + 1, lease_token = NULL,
     leased_until = NULL
 WHERE run_id = $2 AND id = ANY($3::bigint[]) AND lease_token = $1"""
+GROUP_LAYOUTS = ("store", "group index on the data row")
+# The sampler's lease of whole groups (fifo, sample_from ready, max_times_sampled 1), without
+# the reclaim, the counters and the data columns, written for each layout. $1 token, $2 run,
+# $3 groups.
+_GROUP_LEASED = """
+), sizes AS MATERIALIZED (
+    SELECT g.group_id, (SELECT count(*) FROM {groups} m
+                        WHERE m.group_id = g.group_id AND m.run_id = $2) AS n
+    FROM (SELECT DISTINCT group_id FROM leased) g
+)
+SELECT l.id, sizes.n FROM leased l JOIN sizes USING (group_id)"""
+GROUP_LEASE = {
+    "store": """
+WITH picked AS (
+    SELECT s.group_id FROM {state} s
+    WHERE s.run_id = $2 AND s.status = 'ready' AND s.times_sampled < 1 AND NOT EXISTS (
+        SELECT FROM {state} o WHERE o.group_id = s.group_id AND o.run_id = s.run_id
+          AND (o.status IN ('raw', 'leased')
+               OR o.group_row < s.group_row AND o.status = 'ready' AND o.times_sampled < 1))
+    ORDER BY s.created_at, s.id LIMIT $3 FOR UPDATE SKIP LOCKED
+), updated AS (
+    UPDATE {state} SET status = 'leased', lease_token = $1,
+        leased_until = now() + interval '10 min'
+    WHERE run_id = $2 AND group_id = ANY(ARRAY(SELECT group_id FROM picked))
+      AND status = 'ready' AND times_sampled < 1
+    RETURNING id, run_id, group_id
+), leased AS (
+    SELECT u.id, u.group_id FROM updated u JOIN {data} d ON d.run_id = u.run_id AND d.id = u.id
+""" + _GROUP_LEASED.format(groups="{state}"),
+    "group index on the data row": """
+WITH picked AS (
+    SELECT d.group_id FROM {state} s JOIN {data} d ON d.run_id = s.run_id AND d.id = s.id
+    WHERE s.run_id = $2 AND s.status = 'ready' AND s.times_sampled < 1 AND NOT EXISTS (
+        SELECT FROM {data} od JOIN {state} o ON o.run_id = od.run_id AND o.id = od.id
+        WHERE od.group_id = d.group_id AND od.run_id = d.run_id
+          AND (o.status IN ('raw', 'leased')
+               OR od.group_row < d.group_row AND o.status = 'ready' AND o.times_sampled < 1))
+    ORDER BY s.created_at, s.id LIMIT $3 FOR UPDATE OF s SKIP LOCKED
+), updated AS (
+    UPDATE {state} SET status = 'leased', lease_token = $1,
+        leased_until = now() + interval '10 min'
+    WHERE run_id = $2 AND id = ANY(ARRAY(
+        SELECT id FROM {data}
+        WHERE run_id = $2 AND group_id = ANY(ARRAY(SELECT group_id FROM picked))))
+      AND status = 'ready' AND times_sampled < 1
+    RETURNING id, run_id
+), leased AS (
+    SELECT u.id, d.group_id FROM updated u JOIN {data} d ON d.run_id = u.run_id AND d.id = u.id
+""" + _GROUP_LEASED.format(groups="{data}"),
+}
 LEDGER = {
     "one row per experience": """
 INSERT INTO {schema}.items (train_step_id, run_id, experience_id, policy_version, weight)
@@ -81,6 +138,9 @@ def parse_args() -> argparse.Namespace:
                         "--group-size": args.group_size}.items():
         if not 1 <= value <= 100_000:
             p.error(f"{flag} must be between 1 and 100000, got {value}")
+    if args.batch % args.group_size:
+        p.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size} "
+                "(a lease of whole groups)")
     if args.batch * (args.batches + 1) > MAX_ROWS:
         p.error(f"--batch x (--batches + 1) is the rows of each table: at most {MAX_ROWS:,}, "
                 f"got {args.batch * (args.batches + 1):,}")
@@ -95,13 +155,8 @@ async def build(conn: asyncpg.Connection, schema: str, partition: str, rows: int
         table = f"{schema}.state_{i}"
         await conn.execute(f"CREATE TABLE {table} (LIKE {partition} INCLUDING ALL)")
         tables[layout] = table
-    group_index = await conn.fetchval(
-        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-        "WHERE i.indrelid = $1::regclass AND i.indisunique AND NOT i.indisprimary",
-        tables["no group index"])
-    if group_index is None:
-        raise StoreError(f"{partition} has no unique group index: the layout changed")
-    await conn.execute(f"DROP INDEX {schema}.{group_index}")
+    unindexed = tables["no group index"]
+    await conn.execute(f"DROP INDEX {schema}.{await _group_index(conn, unindexed)}")
     groups = -(-rows // group_size)
     await conn.execute(f"CREATE TABLE {schema}.group_ids AS SELECT g, gen_random_uuid() AS id "
                        f"FROM generate_series(0, {groups - 1}) g")
@@ -111,11 +166,41 @@ INSERT INTO {table} (id, run_id, group_id, group_row, policy_version, status, cr
 SELECT n, 1, g.id, n % {group_size}, 0, 'ready', now() + n * interval '1 microsecond'
 FROM generate_series(0, {rows - 1}) n JOIN {schema}.group_ids g ON g.g = n / {group_size}""")
         await conn.execute(f"VACUUM ANALYZE {table}")
+    await build_groups(conn, schema, partition, tables["store"])
     await conn.execute(f"CREATE TABLE {schema}.items (LIKE batch_items INCLUDING ALL)")
     await conn.execute(f"CREATE TABLE {schema}.steps (train_step_id bigint PRIMARY KEY, "
                        "run_id bigint NOT NULL, experience_ids bigint[] NOT NULL, "
                        "weights float8[] NOT NULL)")
     return tables
+
+
+async def _group_index(conn: asyncpg.Connection, table: str) -> str:
+    name = await conn.fetchval(
+        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+        "WHERE i.indrelid = $1::regclass AND i.indisunique AND NOT i.indisprimary", table)
+    if name is None:
+        raise StoreError(f"{table} has no unique group index: the store's layout changed")
+    return name
+
+
+async def build_groups(conn: asyncpg.Connection, schema: str, partition: str,
+                       filled: str) -> None:
+    """The group leases' tables: two copies of `filled` (the store's layout, and without its
+    group index) and the table of (id, run_id, group_id, group_row) both join."""
+    for i, layout in enumerate(GROUP_LAYOUTS):
+        table = f"{schema}.group_state_{i}"
+        await conn.execute(f"CREATE TABLE {table} (LIKE {partition} INCLUDING ALL)")
+        if layout != "store":
+            await conn.execute(f"DROP INDEX {schema}.{await _group_index(conn, table)}")
+        await conn.execute(f"INSERT INTO {table} SELECT * FROM {filled}")
+        await conn.execute(f"VACUUM ANALYZE {table}")
+    data = f"{schema}.group_data"
+    await conn.execute(f"CREATE TABLE {data} AS SELECT id, run_id, group_id, group_row "
+                       f"FROM {filled}")
+    await conn.execute(f"ALTER TABLE {data} ADD PRIMARY KEY (id, run_id)")
+    await conn.execute(f"CREATE UNIQUE INDEX ON {data} (group_id, group_row, run_id) "
+                       "INCLUDE (id)")
+    await conn.execute(f"VACUUM ANALYZE {data}")
 
 
 async def timed(statement, *args) -> tuple[float, list]:
@@ -130,6 +215,11 @@ async def measure(conn: asyncpg.Connection, schema: str, tables: dict[str, str],
     lease = {k: await conn.prepare(LEASE.format(table=t)) for k, t in tables.items()}
     commit = {k: await conn.prepare(COMMIT.format(table=t)) for k, t in tables.items()}
     ledger = {k: await conn.prepare(sql.format(schema=schema)) for k, sql in LEDGER.items()}
+    group_tables = {k: f"{schema}.group_state_{i}" for i, k in enumerate(GROUP_LAYOUTS)}
+    data = f"{schema}.group_data"
+    group_lease = {k: await conn.prepare(GROUP_LEASE[k].format(state=t, data=data))
+                   for k, t in group_tables.items()}
+    group_commit = {k: await conn.prepare(COMMIT.format(table=t)) for k, t in group_tables.items()}
     times: dict[str, list[float]] = {}
     weights = [1.0] * args.batch
     with Progress(console=console, transient=True) as progress:
@@ -149,6 +239,16 @@ async def measure(conn: asyncpg.Connection, schema: str, tables: dict[str, str],
                     for kind in (LEDGERS if step % 2 else LEDGERS[::-1]):
                         seconds, _ = await timed(ledger[kind], step, 1, ids, weights)
                         times.setdefault(f"ledger|{kind}", []).append(seconds)
+            for layout in (GROUP_LAYOUTS if step % 2 else GROUP_LAYOUTS[::-1]):
+                token = uuid.uuid4()
+                seconds, rows = await timed(group_lease[layout], token, 1,
+                                            args.batch // args.group_size)
+                if len(rows) != args.batch or {n for _, n in rows} != {args.group_size}:
+                    raise StoreError(f"{layout}: the group lease found {len(rows)} of "
+                                     f"{args.batch} rows, in groups of {sorted({n for _, n in rows})}")
+                times.setdefault(f"group lease|{layout}", []).append(seconds)
+                seconds, _ = await timed(group_commit[layout], token, 1, [r[0] for r in rows])
+                times.setdefault(f"group commit|{layout}", []).append(seconds)
             progress.advance(task)
     return times
 
@@ -171,6 +271,14 @@ def report(times: dict[str, list[float]], args) -> None:
     table.add_row("lease + commit", f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}")
     console.print(table)
     print("\n".join(lines))
+    moved = GROUP_LAYOUTS[1]
+    for part in ("group lease", "group commit"):
+        a, b = ms[f"{part}|store"], ms[f"{part}|{moved}"]
+        print(f"{part}: store {a:.2f} ms | {moved} {b:.2f} ms | ratio {b / a:.2f}")
+    a = ms["group lease|store"] + ms["group commit|store"]
+    b = ms[f"group lease|{moved}"] + ms[f"group commit|{moved}"]
+    print(f"group lease + commit: store {a:.2f} ms | {moved} {b:.2f} ms | ratio {b / a:.2f} "
+          f"(whole groups of {args.group_size}, {args.batch} rows)")
     rows, step = ms["ledger|one row per experience"], ms["ledger|one row per step"]
     print(f"ledger: one row per experience {rows:.2f} ms | one row per step {step:.2f} ms | "
           f"ratio {step / rows:.2f} (without batch_items' key trigger, which the store adds)")
