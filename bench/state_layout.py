@@ -3,30 +3,31 @@
 A lease rewrites each row's narrow state (ready -> leased) and the step commit rewrites it
 again (leased -> consumed). Neither rewrite can be in place (HOT: both change `status`, which
 the partial indexes read), so each new version takes an entry in every index whose predicate
-it meets: the primary key, the unique group index (group_id, group_row, run_id), and for a
-lease the index of leased rows. The group ids are random (uuid4), so the group index's entries
-land on a different leaf page each, where the primary key's (ids in order) share a few.
+it meets. Until migration 0020 the state row also held the group's id and row number under a
+unique index (group_id, group_row, run_id), the dearest of those entries: the group ids are
+random (uuid4), so its entries land on a different leaf page each, where the primary key's (ids
+in order) share a few. 0020 moved them, with the index, to the write-once data row.
 
 This bench copies the layout of a run's state partition (`CREATE TABLE .. (LIKE .. INCLUDING
 ALL)`: the store's own columns, checks and indexes) into tables of a scratch schema, fills them
 with the same rows, and times the two rewrites batch by batch, taking turns:
 
 - `store`: the partition's layout as it is;
-- `no group index`: the same without the group index, as if it lived on the write-once data
-  row (which a lease and a commit never rewrite);
+- `group index on the state row`: the same with the group's columns and unique index added
+  back (the layout before 0020);
 
 and the two ledgers a commit could write: one row per experience (batch_items' layout: its
 primary key and experience index), against one row per step holding the ids and weights as
 arrays. And what the group index serves: the lease a trainer makes, of whole groups (its
-groups' leaders, their rows, their sizes), with the commit after it, on two more copies:
-`store`, and `group index on the data row`, where the group's id and row number live on a
-write-once table of (id, run_id, group_id, group_row) with the unique index (covering the id),
-and every group lookup reads it and then the state row by id. Both group leases join that table
-by id, as the store's lease joins the data rows it returns.
+groups' leaders, their rows, their sizes), with the commit after it, on two more copies: the
+store's, where the group's columns and index are on a write-once table of (id, run_id,
+group_id, group_row) standing for the data partition (the index covering the id) and each
+group lookup reads it and then the state row by id; and the layout before 0020. Both group
+leases join that table by id, as the store's lease joins the data rows it returns.
 
 Each statement is timed from the client, one at a time on one connection: the server's work
-plus one round trip. Medians of the batches (the first tenth left out as warm-up), ratios to
-`store`.
+plus one round trip. Medians of the batches (the first tenth left out as warm-up); a ratio is
+the store's time over the layout before 0020's.
 
     python bench/state_layout.py --url postgresql://postgres@127.0.0.1:5432/bench_store
     python bench/state_layout.py            # embedded server under ./.reservoir/pg
@@ -53,7 +54,8 @@ from reservoir.store.runs import delete_run
 from store import asyncpg_args, run_main  # bench/store.py
 
 console = Console()
-LAYOUTS = ("store", "no group index")
+BEFORE = "group index on the state row"
+LAYOUTS = ("store", BEFORE)
 LEDGERS = ("one row per experience", "one row per step")
 MAX_ROWS = 5_000_000  # rows of each layout's table
 
@@ -67,7 +69,6 @@ COMMIT = """
 UPDATE {table} SET status = 'consumed', times_sampled = times_sampled + 1, lease_token = NULL,
     leased_until = NULL
 WHERE run_id = $2 AND id = ANY($3::bigint[]) AND lease_token = $1"""
-GROUP_LAYOUTS = ("store", "group index on the data row")
 # The sampler's lease of whole groups (fifo, sample_from ready, max_times_sampled 1), without
 # the reclaim, the counters and the data columns, written for each layout. $1 token, $2 run,
 # $3 groups.
@@ -79,7 +80,7 @@ _GROUP_LEASED = """
 )
 SELECT l.id, sizes.n FROM leased l JOIN sizes USING (group_id)"""
 GROUP_LEASE = {
-    "store": """
+    BEFORE: """
 WITH picked AS (
     SELECT s.group_id FROM {state} s
     WHERE s.run_id = $2 AND s.status = 'ready' AND s.times_sampled < 1 AND NOT EXISTS (
@@ -96,7 +97,7 @@ WITH picked AS (
 ), leased AS (
     SELECT u.id, u.group_id FROM updated u JOIN {data} d ON d.run_id = u.run_id AND d.id = u.id
 """ + _GROUP_LEASED.format(groups="{state}"),
-    "group index on the data row": """
+    "store": """
 WITH picked AS (
     SELECT d.group_id FROM {state} s JOIN {data} d ON d.run_id = s.run_id AND d.id = s.id
     WHERE s.run_id = $2 AND s.status = 'ready' AND s.times_sampled < 1 AND NOT EXISTS (
@@ -147,60 +148,54 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+async def _state_table(conn: asyncpg.Connection, table: str, partition: str,
+                       layout: str) -> None:
+    """A copy of the partition's layout; before 0020, with the group's columns and index."""
+    await conn.execute(f"CREATE TABLE {table} (LIKE {partition} INCLUDING ALL)")
+    if layout == BEFORE:
+        await conn.execute(f"ALTER TABLE {table} ADD COLUMN group_id uuid NOT NULL, "
+                           "ADD COLUMN group_row smallint NOT NULL")
+        await conn.execute(f"CREATE UNIQUE INDEX ON {table} (group_id, group_row, run_id)")
+
+
+async def _fill(conn: asyncpg.Connection, table: str, layout: str, rows: str) -> None:
+    group = ", group_id, group_row" if layout == BEFORE else ""
+    await conn.execute(f"INSERT INTO {table} (id, run_id, policy_version, status, created_at"
+                       f"{group}) SELECT id, 1, 0, 'ready', created_at{group} FROM {rows}")
+    await conn.execute(f"VACUUM ANALYZE {table}")
+
+
 async def build(conn: asyncpg.Connection, schema: str, partition: str, rows: int,
-                group_size: int) -> dict[str, str]:
-    """The layouts' tables, each with the same `rows` ready rows, and the two ledgers."""
-    tables = {}
+                group_size: int) -> dict[str, dict[str, str]]:
+    """Per layout its table for the row leases and its table for the group leases, each with
+    the same `rows` ready rows; the group columns' table; the two ledgers."""
+    source = f"{schema}.source"
+    await conn.execute(f"""
+CREATE TABLE {source} AS
+SELECT n AS id, 1::bigint AS run_id, g.id AS group_id, (n % {group_size})::smallint AS group_row,
+       now() + n * interval '1 microsecond' AS created_at
+FROM generate_series(0, {rows - 1}) n
+JOIN (SELECT g, gen_random_uuid() AS id FROM generate_series(0, {rows // group_size}) g) g
+  ON g.g = n / {group_size}""")
+    tables = {"rows": {}, "groups": {}}
     for i, layout in enumerate(LAYOUTS):
-        table = f"{schema}.state_{i}"
-        await conn.execute(f"CREATE TABLE {table} (LIKE {partition} INCLUDING ALL)")
-        tables[layout] = table
-    unindexed = tables["no group index"]
-    await conn.execute(f"DROP INDEX {schema}.{await _group_index(conn, unindexed)}")
-    groups = -(-rows // group_size)
-    await conn.execute(f"CREATE TABLE {schema}.group_ids AS SELECT g, gen_random_uuid() AS id "
-                       f"FROM generate_series(0, {groups - 1}) g")
-    for table in tables.values():
-        await conn.execute(f"""
-INSERT INTO {table} (id, run_id, group_id, group_row, policy_version, status, created_at)
-SELECT n, 1, g.id, n % {group_size}, 0, 'ready', now() + n * interval '1 microsecond'
-FROM generate_series(0, {rows - 1}) n JOIN {schema}.group_ids g ON g.g = n / {group_size}""")
-        await conn.execute(f"VACUUM ANALYZE {table}")
-    await build_groups(conn, schema, partition, tables["store"])
+        for kind in tables:
+            table = f"{schema}.{kind}_{i}"
+            await _state_table(conn, table, partition, layout)
+            await _fill(conn, table, layout, source)
+            tables[kind][layout] = table
+    data = f"{schema}.group_data"
+    await conn.execute(f"CREATE TABLE {data} AS SELECT id, run_id, group_id, group_row "
+                       f"FROM {source}")
+    await conn.execute(f"ALTER TABLE {data} ADD PRIMARY KEY (id, run_id)")
+    await conn.execute(f"CREATE UNIQUE INDEX ON {data} (group_id, group_row, run_id) "
+                       "INCLUDE (id)")
+    await conn.execute(f"VACUUM ANALYZE {data}")
     await conn.execute(f"CREATE TABLE {schema}.items (LIKE batch_items INCLUDING ALL)")
     await conn.execute(f"CREATE TABLE {schema}.steps (train_step_id bigint PRIMARY KEY, "
                        "run_id bigint NOT NULL, experience_ids bigint[] NOT NULL, "
                        "weights float8[] NOT NULL)")
     return tables
-
-
-async def _group_index(conn: asyncpg.Connection, table: str) -> str:
-    name = await conn.fetchval(
-        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-        "WHERE i.indrelid = $1::regclass AND i.indisunique AND NOT i.indisprimary", table)
-    if name is None:
-        raise StoreError(f"{table} has no unique group index: the store's layout changed")
-    return name
-
-
-async def build_groups(conn: asyncpg.Connection, schema: str, partition: str,
-                       filled: str) -> None:
-    """The group leases' tables: two copies of `filled` (the store's layout, and without its
-    group index) and the table of (id, run_id, group_id, group_row) both join."""
-    for i, layout in enumerate(GROUP_LAYOUTS):
-        table = f"{schema}.group_state_{i}"
-        await conn.execute(f"CREATE TABLE {table} (LIKE {partition} INCLUDING ALL)")
-        if layout != "store":
-            await conn.execute(f"DROP INDEX {schema}.{await _group_index(conn, table)}")
-        await conn.execute(f"INSERT INTO {table} SELECT * FROM {filled}")
-        await conn.execute(f"VACUUM ANALYZE {table}")
-    data = f"{schema}.group_data"
-    await conn.execute(f"CREATE TABLE {data} AS SELECT id, run_id, group_id, group_row "
-                       f"FROM {filled}")
-    await conn.execute(f"ALTER TABLE {data} ADD PRIMARY KEY (id, run_id)")
-    await conn.execute(f"CREATE UNIQUE INDEX ON {data} (group_id, group_row, run_id) "
-                       "INCLUDE (id)")
-    await conn.execute(f"VACUUM ANALYZE {data}")
 
 
 async def timed(statement, *args) -> tuple[float, list]:
@@ -209,17 +204,17 @@ async def timed(statement, *args) -> tuple[float, list]:
     return time.perf_counter() - start, rows
 
 
-async def measure(conn: asyncpg.Connection, schema: str, tables: dict[str, str],
+async def measure(conn: asyncpg.Connection, schema: str, tables: dict[str, dict[str, str]],
                   args) -> dict[str, list[float]]:
-    """Per layout the lease and commit times, per ledger the insert times, in turns."""
-    lease = {k: await conn.prepare(LEASE.format(table=t)) for k, t in tables.items()}
-    commit = {k: await conn.prepare(COMMIT.format(table=t)) for k, t in tables.items()}
+    """Per layout the lease and commit times, of rows and of whole groups, and per ledger the
+    insert times, in turns."""
+    by_rows, by_groups, data = tables["rows"], tables["groups"], f"{schema}.group_data"
+    lease = {k: await conn.prepare(LEASE.format(table=t)) for k, t in by_rows.items()}
+    commit = {k: await conn.prepare(COMMIT.format(table=t)) for k, t in by_rows.items()}
     ledger = {k: await conn.prepare(sql.format(schema=schema)) for k, sql in LEDGER.items()}
-    group_tables = {k: f"{schema}.group_state_{i}" for i, k in enumerate(GROUP_LAYOUTS)}
-    data = f"{schema}.group_data"
     group_lease = {k: await conn.prepare(GROUP_LEASE[k].format(state=t, data=data))
-                   for k, t in group_tables.items()}
-    group_commit = {k: await conn.prepare(COMMIT.format(table=t)) for k, t in group_tables.items()}
+                   for k, t in by_groups.items()}
+    group_commit = {k: await conn.prepare(COMMIT.format(table=t)) for k, t in by_groups.items()}
     times: dict[str, list[float]] = {}
     weights = [1.0] * args.batch
     with Progress(console=console, transient=True) as progress:
@@ -239,13 +234,14 @@ async def measure(conn: asyncpg.Connection, schema: str, tables: dict[str, str],
                     for kind in (LEDGERS if step % 2 else LEDGERS[::-1]):
                         seconds, _ = await timed(ledger[kind], step, 1, ids, weights)
                         times.setdefault(f"ledger|{kind}", []).append(seconds)
-            for layout in (GROUP_LAYOUTS if step % 2 else GROUP_LAYOUTS[::-1]):
+            for layout in order:
                 token = uuid.uuid4()
                 seconds, rows = await timed(group_lease[layout], token, 1,
                                             args.batch // args.group_size)
-                if len(rows) != args.batch or {n for _, n in rows} != {args.group_size}:
+                sizes = sorted({n for _, n in rows})
+                if len(rows) != args.batch or sizes != [args.group_size]:
                     raise StoreError(f"{layout}: the group lease found {len(rows)} of "
-                                     f"{args.batch} rows, in groups of {sorted({n for _, n in rows})}")
+                                     f"{args.batch} rows, in groups of {sizes}")
                 times.setdefault(f"group lease|{layout}", []).append(seconds)
                 seconds, _ = await timed(group_commit[layout], token, 1, [r[0] for r in rows])
                 times.setdefault(f"group commit|{layout}", []).append(seconds)
@@ -260,25 +256,20 @@ def report(times: dict[str, list[float]], args) -> None:
     for column in ("part", *LAYOUTS, "ratio"):
         table.add_column(column, justify="right" if column != "part" else "left")
     lines = []
-    for part in ("lease", "commit"):
-        a, b = ms[f"{part}|store"], ms[f"{part}|no group index"]
-        table.add_row(part, f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}")
-        lines.append(f"{part}: store {a:.2f} ms | no group index {b:.2f} ms | ratio {b / a:.2f} "
-                     f"(the group index: {a - b:.2f} ms, {(a - b) * 1e3 / args.batch:.1f} us a "
-                     "row)")
-    a = ms["lease|store"] + ms["commit|store"]
-    b = ms["lease|no group index"] + ms["commit|no group index"]
-    table.add_row("lease + commit", f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}")
+    for part in ("lease", "commit", "group lease", "group commit"):
+        a, b = ms[f"{part}|store"], ms[f"{part}|{BEFORE}"]
+        table.add_row(part, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}")
+        lines.append(f"{part}: store {a:.2f} ms | {BEFORE} {b:.2f} ms | ratio {a / b:.2f}"
+                     + (f" (the index: {b - a:.2f} ms, {(b - a) * 1e3 / args.batch:.1f} us a row)"
+                        if not part.startswith("group") else ""))
+    for unit in ("", "group "):
+        a = ms[f"{unit}lease|store"] + ms[f"{unit}commit|store"]
+        b = ms[f"{unit}lease|{BEFORE}"] + ms[f"{unit}commit|{BEFORE}"]
+        table.add_row(f"{unit}lease + commit", f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}")
+        lines.append(f"{unit}lease + commit: store {a:.2f} ms | {BEFORE} {b:.2f} ms | ratio "
+                     f"{a / b:.2f}" + (f" (whole groups of {args.group_size})" if unit else ""))
     console.print(table)
     print("\n".join(lines))
-    moved = GROUP_LAYOUTS[1]
-    for part in ("group lease", "group commit"):
-        a, b = ms[f"{part}|store"], ms[f"{part}|{moved}"]
-        print(f"{part}: store {a:.2f} ms | {moved} {b:.2f} ms | ratio {b / a:.2f}")
-    a = ms["group lease|store"] + ms["group commit|store"]
-    b = ms[f"group lease|{moved}"] + ms[f"group commit|{moved}"]
-    print(f"group lease + commit: store {a:.2f} ms | {moved} {b:.2f} ms | ratio {b / a:.2f} "
-          f"(whole groups of {args.group_size}, {args.batch} rows)")
     rows, step = ms["ledger|one row per experience"], ms["ledger|one row per step"]
     print(f"ledger: one row per experience {rows:.2f} ms | one row per step {step:.2f} ms | "
           f"ratio {step / rows:.2f} (without batch_items' key trigger, which the store adds)")

@@ -148,8 +148,8 @@ class Pool:
             group_id = uuid.uuid4()
             for index, row in enumerate(group):
                 row_id = next(ids)
-                data.append((row_id, run_id, None, *row, "{}", None, None))
-                state.append((row_id, run_id, group_id, index, 0, "ready"))
+                data.append((row_id, run_id, None, *row, "{}", None, None, group_id, index))
+                state.append((row_id, run_id, 0, "ready"))
         return data, state
 
 

@@ -139,7 +139,7 @@ def test_the_run_s_rows_leave_with_its_partitions_and_come_back_into_new_ones(st
     assert count(store.engine, f"SELECT count(*) FROM experience_state_r{run_id}") == 24
     assert count(store.engine, "SELECT count(*) FROM ONLY experience_state") == 0
     assert count(store.engine, groups) == count(  # and come back with them
-        store.engine, f"SELECT count(DISTINCT group_id) FROM experience_state_r{run_id}") > 0
+        store.engine, f"SELECT count(DISTINCT group_id) FROM experience_data_r{run_id}") > 0
 
 
 def test_a_restored_run_has_statistics_so_a_group_lease_reads_only_its_groups(store, tmp_path):

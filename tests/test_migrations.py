@@ -562,3 +562,55 @@ def test_a_lease_and_a_step_commit_write_fewer_index_entries(new_database, engin
     with engine.connect() as conn:
         assert "DISTINCT train_step_id" not in conn.execute(text(KEYS_FUNCTION)).scalar()
     assert _refused(engine, item.format(rows="(9, 1, 2, 0)")) == "23503"
+
+
+def _groups_triggers(engine) -> list[str]:
+    with engine.connect() as conn:
+        return conn.execute(text(
+            "SELECT tgrelid::regclass::text FROM pg_trigger "
+            "WHERE tgname = 'experience_groups_add' ORDER BY 1")).scalars().all()
+
+
+def test_the_group_s_columns_move_to_the_data_row_with_their_index(new_database, engines):
+    """Migration 0020 on a populated store: every experience reads the same through the view;
+    the group's id and row number are on the data row only, under its unique index (a second
+    row 0 of a group is refused), and no index of the state row holds them; new group ids are
+    recorded from the data table and its partitions, a run created later too; the downgrade
+    gives the columns and their index back to the state row, values unchanged."""
+    engine = engines(new_database())
+    populate_at_0012(engine)
+    migrate.upgrade(engine, "0019")
+    read = "SELECT * FROM experiences ORDER BY id"
+    with engine.connect() as conn:
+        before = [dict(row) for row in conn.execute(text(read)).mappings()]
+    migrate.upgrade(engine, "0020")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (3, 'three')"))
+        assert [dict(row) for row in conn.execute(text(read)).mappings()] == before
+        state = {c["name"] for c in inspect(conn).get_columns("experience_state_r1")}
+    assert not {"group_id", "group_row"} & state
+    assert not [d for d in _state_indexes(engine, "experience_state_r1").values()
+                if "group_id" in d]
+    for table in ("experience_data", "experience_data_r1", "experience_data_r3"):
+        assert "btree (group_id, group_row, run_id) INCLUDE (id)" in (
+            _state_indexes(engine, table).values()), table
+    assert _groups_triggers(engine) == ["experience_data", "experience_data_r1",
+                                        "experience_data_r2", "experience_data_r3"]
+    new_row = ("INSERT INTO experiences (run_id, group_id, group_row, policy_version, "
+               "prompt_text, response_text, prompt_ids, response_ids, reward) VALUES "
+               "(3, '{group}', {row}, 0, 'p', 'r', '\\x', '\\x', 0)")
+    group = "a0000000-0000-0000-0000-000000000003"
+    with engine.begin() as conn:
+        conn.execute(text(new_row.format(group=group, row=0)))
+        assert conn.execute(text("SELECT run_id FROM experience_groups WHERE group_id = "
+                                 f"'{group}'")).scalar() == 3
+    assert _refused(engine, new_row.format(group=group, row=0)) == "23505"
+    migrate.downgrade(engine, "0019")
+    with engine.connect() as conn:
+        after = [dict(row) for row in conn.execute(text(read)).mappings()]
+        data = {c["name"] for c in inspect(conn).get_columns("experience_data_r1")}
+    assert after[:len(before)] == before and not {"group_id", "group_row"} & data
+    assert "btree (group_id, group_row, run_id)" in (
+        _state_indexes(engine, "experience_state_r1").values())
+    assert _groups_triggers(engine) == ["experience_state", "experience_state_r1",
+                                        "experience_state_r2", "experience_state_r3"]

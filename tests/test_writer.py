@@ -189,7 +189,7 @@ def test_a_group_id_names_one_group_of_one_run_and_the_server_says_so(seeded):
         with seeded.engine.begin() as conn:
             conn.execute(insert, {"run": second, "group": group_id})
     with seeded.engine.connect() as conn:
-        rows = conn.execute(text("SELECT count(*) FROM experience_state WHERE group_id = :g"),
+        rows = conn.execute(text("SELECT count(*) FROM experience_data WHERE group_id = :g"),
                             {"g": group_id}).scalar()
     assert rows == 4  # the first group only
 

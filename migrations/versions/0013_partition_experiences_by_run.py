@@ -152,8 +152,10 @@ CREATE TRIGGER {table}_experience_run BEFORE INSERT ON {table} FOR EACH ROW
     EXECUTE FUNCTION experience_run_fill();""" for table in GAIN_RUN_ID)
 
 
-def _view() -> str:
-    source = {name: "s" if name in STATE else "d" for name in VIEW_ORDER}
+def _view(state: tuple[str, ...] = STATE) -> str:
+    """The view over the two tables, `state` naming the columns the state row holds (0020
+    gives it fewer)."""
+    source = {name: "s" if name in state else "d" for name in VIEW_ORDER}
     source["id"] = source["run_id"] = "s"
     columns = ", ".join(f"{source[name]}.{name}" for name in VIEW_ORDER)
     defaults = {"id": "nextval('experience_data_id_seq')", "status": "'ready'", "priority": "0",
@@ -169,9 +171,13 @@ COMMENT ON VIEW experiences IS
               for name, value in defaults.items())
 
 
-def _triggers() -> str:
-    data, state = ("id", "run_id") + DATA, ("id", "run_id") + STATE
-    same_state = f"({_columns('s.', STATE)}) IS NOT DISTINCT FROM ({_columns('OLD.', STATE)})"
+def _triggers(state_columns: tuple[str, ...] = STATE,
+              data_columns: tuple[str, ...] = DATA) -> str:
+    """The view's trigger functions and triggers, for this split of the columns (0020 moves
+    the group's columns to the data row)."""
+    data, state = ("id", "run_id") + data_columns, ("id", "run_id") + state_columns
+    same_state = (f"({_columns('s.', state_columns)}) IS NOT DISTINCT FROM "
+                  f"({_columns('OLD.', state_columns)})")
     parent_run = """
     IF NEW.parent_id IS NOT NULL AND NEW.parent_run_id IS NULL THEN
         SELECT run_id INTO NEW.parent_run_id FROM experience_state WHERE id = NEW.parent_id;
@@ -199,16 +205,16 @@ BEGIN
        AND NEW.parent_run_id IS NOT DISTINCT FROM OLD.parent_run_id THEN
         NEW.parent_run_id := NULL;
     END IF;{parent_run}
-    IF ({_columns('NEW.', STATE)}) IS DISTINCT FROM ({_columns('OLD.', STATE)}) THEN
-        UPDATE experience_state s SET ({_columns('', STATE)}) = ({_columns('NEW.', STATE)})
+    IF ({_columns('NEW.', state_columns)}) IS DISTINCT FROM ({_columns('OLD.', state_columns)}) THEN
+        UPDATE experience_state s SET ({_columns('', state_columns)}) = ({_columns('NEW.', state_columns)})
         WHERE s.run_id = OLD.run_id AND s.id = OLD.id AND {same_state};
         IF NOT FOUND THEN
             RAISE EXCEPTION 'experience % changed while this statement updated it', OLD.id
                 USING ERRCODE = 'serialization_failure';
         END IF;
     END IF;
-    IF ({_columns('NEW.', DATA)}) IS DISTINCT FROM ({_columns('OLD.', DATA)}) THEN
-        UPDATE experience_data SET ({_columns('', DATA)}) = ({_columns('NEW.', DATA)})
+    IF ({_columns('NEW.', data_columns)}) IS DISTINCT FROM ({_columns('OLD.', data_columns)}) THEN
+        UPDATE experience_data SET ({_columns('', data_columns)}) = ({_columns('NEW.', data_columns)})
         WHERE run_id = OLD.run_id AND id = OLD.id RETURNING prompt_len, response_len
         INTO NEW.prompt_len, NEW.response_len;
     END IF;

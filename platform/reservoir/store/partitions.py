@@ -30,10 +30,11 @@ UNLINK = [text(sql) for sql in (
 ADD = text("SELECT experience_partitions_add(:run)")
 # A run's partitions start without statistics; autovacuum, where it is on, analyzes them a
 # minute or more later. Until then the planner takes `run_id = N AND status = 'ready'` to match
-# one row in 40,000 and a group lease read every ready row of its run to find its groups' rows
-# (14,880 for 256 leased); the leases' kept plans (engine.KEPT_PLANS_SETTINGS) are planned again
-# once statistics come. The writer analyzes a run's state partition when it first holds this
-# many rows, a restore when it has put the rows back.
+# one row in 40,000, and a lease of whole groups read every ready row of its run to find its
+# groups' rows (14,880 for 256 leased), or checked every row of the run for being its group's
+# leader; the leases' kept plans (engine.KEPT_PLANS_SETTINGS) are planned again once statistics
+# come. The writer analyzes a run's state partition, and the columns of its data partition that
+# leases look up, when the run first holds this many rows; a restore when it has put them back.
 FIRST_STATISTICS_AT = 1024
 DETACH_TRIES, DETACH_WAIT = 5, "1s"  # each try holds new leases back for at most DETACH_WAIT
 
@@ -44,9 +45,11 @@ def name(parent: str, run_id: int) -> str:
 
 
 def analyze(run_id: int):
-    """Statement: the statistics of the run's state partition (skipped, not waited for, while
-    another ANALYZE or VACUUM holds it)."""
-    return text(f"ANALYZE (SKIP_LOCKED) {name('experience_state', run_id)}")
+    """Statement: the statistics of the run's state partition and of its data partition's keys
+    and group columns (not the texts and arrays); a table another ANALYZE or VACUUM holds is
+    skipped, not waited for."""
+    return text(f"ANALYZE (SKIP_LOCKED) {name('experience_state', run_id)}, "
+                f"{name('experience_data', run_id)} (id, run_id, group_id, group_row)")
 
 
 def names(run_id: int) -> list[str]:

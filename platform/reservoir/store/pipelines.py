@@ -213,9 +213,10 @@ RETURNING id, parent_id, run_id
 
 QUARANTINE_PARTNERS = text("""
 UPDATE experience_state e SET status = 'quarantined'
-FROM unnest(:groups, :reasons) AS g (group_id, reason)
-WHERE e.group_id = g.group_id AND e.status IN ('raw', 'ready') AND e.id <> ALL(:decided)
-RETURNING e.id, e.group_id, g.reason
+FROM unnest(:groups, :reasons) AS g (group_id, reason), experience_data d
+WHERE d.group_id = g.group_id AND e.run_id = d.run_id AND e.id = d.id
+  AND e.status IN ('raw', 'ready') AND e.id <> ALL(:decided)
+RETURNING e.id, d.group_id, g.reason
 """).bindparams(bindparam("groups", type_=ARRAY(UUID)), bindparam("reasons", type_=ARRAY(Text)),
                 bindparam("decided", type_=ARRAY(BigInteger)))
 

@@ -38,7 +38,8 @@ from reservoir.store.schema import experience_state as e
 from reservoir.store.schema import runs as runs_table
 
 # Leases read and change `experience_state` (e), the narrow row: a lease and a commit rewrite
-# ~100 bytes a row, never the ~2 KB of `experience_data` (d), which a lease only reads.
+# ~80 bytes a row, never the ~2 KB of `experience_data` (d), which a lease only reads: its
+# data, and a row's group (id, row number, the group index: migration 0020).
 # A group with a row in these states is not complete yet. A row held for review is not among
 # them: people may take days, so the rest of its group trains as a partial group (the lease
 # reports it, the step's metrics count it).
@@ -132,14 +133,14 @@ class _NotYet(Exception):
     groups to lease)."""
 
 
-_mates = e.alias("mates")
-STATE_RETURNED = (e.c.id, e.c.run_id, e.c.group_id, e.c.policy_version, e.c.times_sampled,
-                  e.c.leased_until)
+# A group's rows, found by the group index on their write-once data rows (migration 0020).
+_mates = d.alias("mates")
+STATE_RETURNED = (e.c.id, e.c.run_id, e.c.policy_version, e.c.times_sampled, e.c.leased_until)
 
 
 def _returned(leased, group_rows):
     """The columns a lease carries, from the leased state rows (a CTE) and their data rows."""
-    return (leased.c.id, leased.c.run_id, d.c.task_id, leased.c.group_id, leased.c.policy_version,
+    return (leased.c.id, leased.c.run_id, d.c.task_id, d.c.group_id, leased.c.policy_version,
             d.c.reward, d.c.reward_components.cast(Text).label("reward_components"),
             leased.c.times_sampled, d.c.prompt_ids, d.c.response_ids, d.c.logprobs,
             d.c.action_mask, d.c.shaped_reward, group_rows.label("group_rows"),
@@ -165,19 +166,20 @@ def _with_data(leased, reclaimed, run_ids: tuple[int, ...]):
     """Statement: the leased rows joined to their data and to their groups' sizes (counted
     once a group: a lease of 256 rows holds ~32 groups), with the sampled counter updated for
     the rows leased and the rows reclaimed."""
-    groups = select(leased.c.run_id, leased.c.group_id).distinct().cte("leased_groups")
+    same_row = and_(d.c.run_id == leased.c.run_id, d.c.id == leased.c.id, _of_runs(d, run_ids))
+    groups = (select(d.c.run_id, d.c.group_id).join_from(leased, d, same_row).distinct()
+              .cte("leased_groups"))
     sizes = (select(groups.c.run_id, groups.c.group_id,
                     _group_rows(groups, run_ids).label("n"))
              .cte("sizes").prefix_with("MATERIALIZED"))  # else inlined: a count a row again
-    same_row = and_(d.c.run_id == leased.c.run_id, d.c.id == leased.c.id, _of_runs(d, run_ids))
     return (select(*_returned(leased, sizes.c.n))
             .join_from(leased, d, same_row)
             .join(sizes, and_(sizes.c.run_id == leased.c.run_id,
-                              sizes.c.group_id == leased.c.group_id))
+                              sizes.c.group_id == d.c.group_id))
             .add_cte(count_sampled((leased, 1), (reclaimed, -1))))
 
 
-RETURNED = _returned(e, _group_rows(e))
+RETURNED = _returned(e, _group_rows(d))
 FIELDS = len(RETURNED) - 1  # what a LeasedExperience holds (all but leased_until)
 
 
@@ -239,7 +241,9 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool,
     if unit == "rows":
         chosen = e.c.id == _any_of(select(picked.c.id))
     else:
-        chosen = and_(e.c.group_id == _any_of(select(picked.c.group_id)), _eligible(e, flow))
+        members = select(d.c.id).where(_of_runs(d, run_ids),
+                                        d.c.group_id == _any_of(select(picked.c.group_id)))
+        chosen = and_(e.c.id == _any_of(members), _eligible(e, flow))
     leased = (update(e).where(of_runs, chosen, _enough(picked)).values(**lease_values)
               .returning(*STATE_RETURNED).cte("leased"))
     return _with_data(leased, reclaimed, run_ids)
@@ -252,15 +256,18 @@ def _picked(unit: str, flow: SamplerConfig, explicit_floor: bool, run_ids: tuple
     where = and_(_of_runs(e, run_ids), _eligible(e, flow), _version_floor(flow, explicit_floor))
     if unit == "rows":
         picked = select(e.c.id).where(where)
-    else:
-        other = e.alias("other")
+    else:  # a row's group is on its data row; each mate's state is read by id
+        other_data, other = d.alias("other_data"), e.alias("other")
         leader = ~exists().where(
-            other.c.group_id == e.c.group_id, other.c.run_id == e.c.run_id,
-            _of_runs(other, run_ids), status_in(other.c.status, SETTLING)
-            | and_(other.c.group_row < e.c.group_row, _eligible(other, flow)))
-        picked = select(e.c.group_id).where(where, leader)
+            other_data.c.group_id == d.c.group_id, other_data.c.run_id == d.c.run_id,
+            _of_runs(other_data, run_ids), other.c.run_id == other_data.c.run_id,
+            other.c.id == other_data.c.id, _of_runs(other, run_ids),
+            status_in(other.c.status, SETTLING)
+            | and_(other_data.c.group_row < d.c.group_row, _eligible(other, flow)))
+        same_row = and_(d.c.run_id == e.c.run_id, d.c.id == e.c.id, _of_runs(d, run_ids))
+        picked = select(d.c.group_id).join_from(e, d, same_row).where(where, leader)
     return (picked.order_by(*ORDERS[flow.order]).limit(bindparam("n", type_=Integer))
-            .with_for_update(skip_locked=True))
+            .with_for_update(of=e, skip_locked=True))
 
 
 async def _available(engine: AsyncEngine, unit: str, flow: SamplerConfig,
@@ -510,7 +517,6 @@ WITH aside AS (
     UPDATE experience_state
     SET status = 'retired', lease_token = NULL, leased_until = NULL
     WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :token
-      AND group_id = ANY(:groups)
     RETURNING id, run_id
 ), noted AS (
     UPDATE experience_data d
@@ -525,8 +531,7 @@ WITH aside AS (
 )
 SELECT (SELECT count(*) FROM aside), (SELECT count(*) FROM noted), (SELECT count(*) FROM counted)
 """).bindparams(bindparam("token", type_=UUID(as_uuid=True)),
-                bindparam("ids", type_=ARRAY(BigInteger)),
-                bindparam("groups", type_=ARRAY(UUID(as_uuid=True))))
+                bindparam("ids", type_=ARRAY(BigInteger)))
 JOIN = text("""
 UPDATE experience_state SET lease_token = :into, leased_until = LEAST(leased_until, :until)
 WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :token
@@ -539,13 +544,13 @@ async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUI
                     reason: str) -> Lease:
     """Retire leased groups that will not be trained (e.g. dynamic sampling: their rewards
     are all equal), recording why in each row's metadata; the lease keeps the other rows."""
+    aside = set(groups)
+    ids = [row.id for row in lease.rows if row.group_id in aside]
     async with engine.begin() as conn:
-        await conn.execute(SET_ASIDE, {**_of_lease(lease), "groups": list(groups),
-                                       "reason": reason})
+        await conn.execute(SET_ASIDE, {**_of_lease(lease), "ids": ids, "reason": reason})
         for run_id in lease.run_ids:  # explorers may make more now: wake them (a hint only)
             await conn.execute(select(func.pg_notify(runs.POLICY_CHANNEL,
                                                      f"{run_id}:set-aside")))
-    aside = set(groups)
     kept = tuple(row for row in lease.rows if row.group_id not in aside)
     return Lease(lease.token, lease.run_ids, kept, lease.leased_until)
 

@@ -107,9 +107,9 @@ policy_versions = Table(
 )
 
 # An experience is two rows. `experience_data` holds what is written once (texts, token ids,
-# logprobs, mask, rewards: ~2 KB); `experience_state` holds what a lease and a step commit change
-# (status, lease, times sampled) and what the sampler orders and filters by (~100 bytes), so a
-# lease and a commit rewrite only the narrow row. The view `experiences` joins the two under the
+# logprobs, mask, rewards, the group's id and row number: ~2 KB); `experience_state` holds what
+# a lease and a step commit change (status, lease, times sampled) and what the sampler orders
+# and filters by (~80 bytes), so a lease and a commit rewrite only the narrow row. The view `experiences` joins the two under the
 # old column names; inserts, updates and deletes through it go to the right table (triggers of
 # migrations 0012 and 0013), and an update of a row's state through it fails if the state
 # changed since the statement read it. Both tables are partitioned by run (one partition of each
@@ -135,11 +135,19 @@ experience_data = Table(
     Column("parent_run_id", BigInteger),  # a parent may be of another run
     Column("prompt_len", Integer, Computed("length(prompt_ids) / 4", persisted=True)),
     Column("response_len", Integer, Computed("length(response_ids) / 4", persisted=True)),
+    Column("group_id", UUID(as_uuid=True), nullable=False),
+    Column("group_row", SmallInteger, nullable=False),
     PrimaryKeyConstraint("id", "run_id", name="experience_data_pkey"),
     CheckConstraint("(parent_id IS NULL) = (parent_run_id IS NULL)",
                     name="experience_data_parent_both"),
+    CheckConstraint("group_row >= 0", name="experience_data_group_row_valid"),
     _experience_key(("parent_run_id", "parent_id"), "experience_data_parent_id_fkey", "SET NULL",
                     use_alter=True),  # the state names the data: a cycle
+    # a group's rows, by the group (migration 0020: on the write-once data row, so the state
+    # row's rewrites by a lease and a step commit add no entry to it); covering the id, so a
+    # group's rows are found without reading the data rows
+    Index("experience_data_group_row", "group_id", "group_row", "run_id", unique=True,
+          postgresql_include=["id"]),
     Index("experience_data_task", "task_id"),
     Index("experience_data_parent", "parent_run_id", "parent_id",
           postgresql_where=text("parent_id IS NOT NULL")),
@@ -151,8 +159,6 @@ experience_state = Table(
     metadata,
     Column("id", BigInteger, nullable=False),
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
-    Column("group_id", UUID(as_uuid=True), nullable=False),
-    Column("group_row", SmallInteger, nullable=False),
     Column("policy_version", Integer, nullable=False),
     Column("status", Text, nullable=False, server_default="ready"),
     Column("priority", Float, nullable=False, server_default="0"),
@@ -164,7 +170,6 @@ experience_state = Table(
     CheckConstraint(
         "(status = 'leased') = (lease_token IS NOT NULL)", name="experience_state_lease_iff_leased"
     ),
-    CheckConstraint("group_row >= 0", name="experience_state_group_row_valid"),
     PrimaryKeyConstraint("id", "run_id", name="experience_state_pkey"),
     # Each partition's key names the run's data partition, experience_state_r<id>_data
     # (run_id, id) -> experience_data_r<id> (migration 0014): a key to a partitioned table is
@@ -179,7 +184,6 @@ experience_state = Table(
         postgresql_where=text("status = 'ready'"),
     ),
     Index("experience_state_leased", "leased_until", postgresql_where=text("status = 'leased'")),
-    Index("experience_state_group_row", "group_id", "group_row", "run_id", unique=True),
     # rows at rest by status (pipelines, counts, retention); a lease and a step commit add no
     # entry to it (migration 0019), nor to any index of the lease token (they find rows by id)
     Index("experience_state_at_rest", "run_id", "status",

@@ -41,8 +41,8 @@ from reservoir.store.records import (ROW_COLUMNS, Experience, ShapedGroup, check
                                      shape_group, values_ok)
 from reservoir.store.usersql import describe
 
-COPY_DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS + ("parent_run_id",)
-COPY_STATE_COLUMNS = ("id", "run_id", "group_id", "group_row", "policy_version", "status")
+COPY_DATA_COLUMNS = ("id", "run_id") + ROW_COLUMNS + ("parent_run_id", "group_id", "group_row")
+COPY_STATE_COLUMNS = ("id", "run_id", "policy_version", "status")
 # One round trip before the COPY: the runs by name, which of the group ids are taken, the
 # parents' runs, and an id for every row offered (the rows of groups refused then leave gaps in
 # the sequence, as a rolled-back insert does). Arrays travel as text[]: asyncpg looks up the
@@ -242,8 +242,9 @@ class _Stream:
                 version = int(group.shaped.group[0].policy_version)
                 for index, row in enumerate(group.shaped.encode()):  # parent_id last
                     row_id = next(next_id)
-                    data.append((row_id, group.run_id) + row + (self.parent_runs.get(row[-1]),))
-                    state.append((row_id, group.run_id, group.group_id, index, version, status))
+                    data.append((row_id, group.run_id) + row
+                                + (self.parent_runs.get(row[-1]), group.group_id, index))
+                    state.append((row_id, group.run_id, version, status))
             if data:
                 yield data, state
 
