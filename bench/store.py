@@ -293,12 +293,11 @@ UNION ALL
 SELECT 'index unique=' || indisunique || ' ' || regexp_replace(pg_get_indexdef(indexrelid), '^.* USING ', '')
   FROM pg_index WHERE indrelid = $1::regclass
 """
-# The one-table queue: the data columns plus the state columns, keyed by id alone, with the
-# indexes the experiences table had before migrations 0012 and 0013.
+# The one-table queue: the data columns (the group's among them) plus the state columns, keyed
+# by id alone, with the indexes the experiences table had before migrations 0012 and 0013.
 QUEUE = """
 CREATE TABLE {queue} (LIKE experience_data INCLUDING ALL EXCLUDING INDEXES,
-    PRIMARY KEY (id),
-    group_id uuid NOT NULL, group_row smallint NOT NULL, policy_version integer NOT NULL,
+    PRIMARY KEY (id), policy_version integer NOT NULL,
     status text NOT NULL DEFAULT 'ready', priority float8 NOT NULL DEFAULT 0,
     times_sampled integer NOT NULL DEFAULT 0, lease_token uuid, leased_until timestamptz,
     created_at timestamptz NOT NULL DEFAULT now(),

@@ -138,13 +138,19 @@ _mates = d.alias("mates")
 STATE_RETURNED = (e.c.id, e.c.run_id, e.c.policy_version, e.c.times_sampled, e.c.leased_until)
 
 
-def _returned(leased, group_rows):
-    """The columns a lease carries, from the leased state rows (a CTE) and their data rows."""
-    return (leased.c.id, leased.c.run_id, d.c.task_id, d.c.group_id, leased.c.policy_version,
-            d.c.reward, d.c.reward_components.cast(Text).label("reward_components"),
-            leased.c.times_sampled, d.c.prompt_ids, d.c.response_ids, d.c.logprobs,
-            d.c.action_mask, d.c.shaped_reward, group_rows.label("group_rows"),
-            leased.c.leased_until)
+# The data row's columns a lease carries.
+DATA_RETURNED = (d.c.task_id, d.c.group_id, d.c.reward, d.c.reward_components, d.c.prompt_ids,
+                 d.c.response_ids, d.c.logprobs, d.c.action_mask, d.c.shaped_reward)
+
+
+def _returned(state, group_rows, data=d):
+    """The columns a lease carries, in LeasedExperience's order, from the leased state rows and
+    their data rows (or one relation holding both)."""
+    return (state.c.id, state.c.run_id, data.c.task_id, data.c.group_id, state.c.policy_version,
+            data.c.reward, data.c.reward_components.cast(Text).label("reward_components"),
+            state.c.times_sampled, data.c.prompt_ids, data.c.response_ids, data.c.logprobs,
+            data.c.action_mask, data.c.shaped_reward, group_rows.label("group_rows"),
+            state.c.leased_until)
 
 
 def _of_runs(table, run_ids: tuple[int, ...]):
@@ -163,19 +169,20 @@ def _group_rows(rows, run_ids: tuple[int, ...] | None = None):
 
 
 def _with_data(leased, reclaimed, run_ids: tuple[int, ...]):
-    """Statement: the leased rows joined to their data and to their groups' sizes (counted
-    once a group: a lease of 256 rows holds ~32 groups), with the sampled counter updated for
-    the rows leased and the rows reclaimed."""
+    """Statement: the leased rows joined to their data rows once (the group's id is there, so
+    the groups' sizes read the join too) and to their groups' sizes (counted once a group: a
+    lease of 256 rows holds ~32 groups), with the sampled counter updated for the rows leased
+    and the rows reclaimed."""
     same_row = and_(d.c.run_id == leased.c.run_id, d.c.id == leased.c.id, _of_runs(d, run_ids))
-    groups = (select(d.c.run_id, d.c.group_id).join_from(leased, d, same_row).distinct()
-              .cte("leased_groups"))
+    rows = (select(leased, *DATA_RETURNED).join_from(leased, d, same_row)
+            .cte("leased_rows").prefix_with("MATERIALIZED"))
+    groups = select(rows.c.run_id, rows.c.group_id).distinct().cte("leased_groups")
     sizes = (select(groups.c.run_id, groups.c.group_id,
                     _group_rows(groups, run_ids).label("n"))
              .cte("sizes").prefix_with("MATERIALIZED"))  # else inlined: a count a row again
-    return (select(*_returned(leased, sizes.c.n))
-            .join_from(leased, d, same_row)
-            .join(sizes, and_(sizes.c.run_id == leased.c.run_id,
-                              sizes.c.group_id == d.c.group_id))
+    return (select(*_returned(rows, sizes.c.n, rows))
+            .join_from(rows, sizes, and_(sizes.c.run_id == rows.c.run_id,
+                                         sizes.c.group_id == rows.c.group_id))
             .add_cte(count_sampled((leased, 1), (reclaimed, -1))))
 
 
