@@ -48,29 +48,33 @@ def rollouts(engine, store: Store, run: str, tasks, *, n: int, max_tokens: int,
     return store.write_groups(groups)
 
 
-def planned_relations(engine, statement, params: dict) -> set[str]:
-    """The tables and partitions the server's plan of `statement` (bound to `params`) reads."""
+def _plan(engine, statement, params: dict, options: str = "") -> dict:
+    """The server's plan of `statement` bound to `params` (EXPLAIN (FORMAT JSON, options));
+    what an ANALYZE executes is rolled back."""
     with engine.connect() as conn:
         bound = statement.compile(dialect=conn.dialect).construct_expanded_state(params)
-        plan = conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + bound.statement,
+        plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON{options}) " + bound.statement,
                                     bound.parameters).scalar()
+        conn.rollback()
+    return plan[0]["Plan"]
+
+
+def planned_relations(engine, statement, params: dict) -> set[str]:
+    """The tables and partitions the server's plan of `statement` (bound to `params`) reads."""
+    plan = _plan(engine, statement, params)
 
     def relations(node):
         yield node.get("Relation Name")
         for child in node.get("Plans", []):
             yield from relations(child)
 
-    return set(relations(plan[0]["Plan"])) - {None}
+    return set(relations(plan)) - {None}
 
 
 def rows_read(engine, statement, params: dict, table_prefix: str) -> int:
     """The rows the server's scans of the tables named `table_prefix*` read (returned or
     removed by a filter, every loop) when it runs `statement`, in a transaction rolled back."""
-    with engine.connect() as conn:
-        bound = statement.compile(dialect=conn.dialect).construct_expanded_state(params)
-        plan = conn.exec_driver_sql("EXPLAIN (ANALYZE, FORMAT JSON) " + bound.statement,
-                                    bound.parameters).scalar()
-        conn.rollback()
+    plan = _plan(engine, statement, params, ", ANALYZE")
 
     def read(node):
         if (node.get("Relation Name") or "").startswith(table_prefix):
@@ -79,4 +83,16 @@ def rows_read(engine, statement, params: dict, table_prefix: str) -> int:
         for child in node.get("Plans", []):
             yield from read(child)
 
-    return round(sum(read(plan[0]["Plan"])))
+    return round(sum(read(plan)))
+
+
+def lease_rows_read(store: Store, run_id: int, unit: str, n: int) -> int:
+    """The state rows the server reads for a lease of `n` rows or groups of the run."""
+    import uuid
+    from datetime import timedelta
+
+    from reservoir.store import sampler
+
+    return rows_read(store.engine, sampler.lease_statement(unit, store.flow, False, (run_id,)),
+                     dict(n=n, wanted=n, token=str(uuid.uuid4()),
+                          lease_for=timedelta(seconds=60)), "experience_state")

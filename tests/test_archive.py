@@ -16,7 +16,7 @@ from reservoir.config import RetentionConfig
 from reservoir.errors import StoreError
 from reservoir.store import codec, pipelines, reviews, runs
 from reservoir.store.archive import apply_retention, archive_run, restore_run
-from tests.factories import fill, make_group, rows_read
+from tests.factories import fill, lease_rows_read, make_group
 
 RUN, OTHER = "archived", "kept"
 # Every table an archive touches, with the key its rows are compared in.
@@ -145,20 +145,13 @@ def test_the_run_s_rows_leave_with_its_partitions_and_come_back_into_new_ones(st
 def test_a_restored_run_has_statistics_so_a_group_lease_reads_only_its_groups(store, tmp_path):
     """A restore puts the rows into new partitions, which have no statistics: without them a
     group lease read every ready row of the run to find its groups' rows (partitions.py)."""
-    import uuid
-    from datetime import timedelta
-
-    from reservoir.store import sampler
-
     run_id = store.create_run(RUN, group_size=8)
     fill(store, RUN, 300, size=8)  # 2,400 ready rows
     with store.engine.begin() as conn:
         runs.set_status(conn, run_id, "finished")
     archive_run(store.engine, RUN, tmp_path / "a")
     restore_run(store.engine, tmp_path / "a")
-    read = rows_read(store.engine, sampler.lease_statement("groups", store.flow, False, (run_id,)),
-                     dict(n=4, wanted=4, token=str(uuid.uuid4()),
-                          lease_for=timedelta(seconds=60)), "experience_state")
+    read = lease_rows_read(store, run_id, "groups", 4)
     assert read < 500, f"a lease of 4 groups of 8 read {read} rows of the run's 2,400"
 
 

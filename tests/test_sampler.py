@@ -10,7 +10,7 @@ from sqlalchemy import func, select, text, update
 
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
 from reservoir.store.schema import batch_items, experiences, runs, train_steps
-from tests.factories import fill, make_group, planned_relations, rows_read
+from tests.factories import fill, lease_rows_read, make_group, planned_relations
 
 
 def statuses(store) -> dict[str, int]:
@@ -293,17 +293,9 @@ def test_a_lease_reads_its_rows_not_every_ready_row_of_its_run(store, unit):
     'ready'` to match one row in 40,000, and a group lease found its groups' rows by reading
     every ready row of the run: 14,880 read for 256 leased, 5 ms of a 13 ms lease, growing
     with the backlog. The writer analyzes a run's state partition once it holds 1,024 rows."""
-    import uuid
-    from datetime import timedelta
-
-    from reservoir.store import sampler
-
     run_id = store.create_run("r", group_size=8)
     fill(store, "r", 300, size=8)  # 2,400 ready rows
-    n = 32 if unit == "rows" else 4  # 32 rows either way
-    read = rows_read(store.engine, sampler.lease_statement(unit, store.flow, False, (run_id,)),
-                     dict(n=n, wanted=n, token=str(uuid.uuid4()),
-                          lease_for=timedelta(seconds=60)), "experience_state")
+    read = lease_rows_read(store, run_id, unit, 32 if unit == "rows" else 4)  # 32 rows either way
     assert read < 500, f"the lease of 32 rows read {read} rows of the run's 2,400"
 
 

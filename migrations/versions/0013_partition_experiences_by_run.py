@@ -171,13 +171,11 @@ COMMENT ON VIEW experiences IS
               for name, value in defaults.items())
 
 
-def _triggers(state_columns: tuple[str, ...] = STATE,
-              data_columns: tuple[str, ...] = DATA) -> str:
-    """The view's trigger functions and triggers, for this split of the columns (0020 moves
-    the group's columns to the data row)."""
-    data, state = ("id", "run_id") + data_columns, ("id", "run_id") + state_columns
-    same_state = (f"({_columns('s.', state_columns)}) IS NOT DISTINCT FROM "
-                  f"({_columns('OLD.', state_columns)})")
+def _triggers(in_state: tuple[str, ...] = STATE, in_data: tuple[str, ...] = DATA) -> str:
+    """The view's trigger functions and triggers, for the columns the state row and the data
+    row hold besides id and run_id (0020 moves the group's columns to the data row)."""
+    data, state = ("id", "run_id") + in_data, ("id", "run_id") + in_state
+    same_state = f"({_columns('s.', in_state)}) IS NOT DISTINCT FROM ({_columns('OLD.', in_state)})"
     parent_run = """
     IF NEW.parent_id IS NOT NULL AND NEW.parent_run_id IS NULL THEN
         SELECT run_id INTO NEW.parent_run_id FROM experience_state WHERE id = NEW.parent_id;
@@ -205,16 +203,16 @@ BEGIN
        AND NEW.parent_run_id IS NOT DISTINCT FROM OLD.parent_run_id THEN
         NEW.parent_run_id := NULL;
     END IF;{parent_run}
-    IF ({_columns('NEW.', state_columns)}) IS DISTINCT FROM ({_columns('OLD.', state_columns)}) THEN
-        UPDATE experience_state s SET ({_columns('', state_columns)}) = ({_columns('NEW.', state_columns)})
+    IF ({_columns('NEW.', in_state)}) IS DISTINCT FROM ({_columns('OLD.', in_state)}) THEN
+        UPDATE experience_state s SET ({_columns('', in_state)}) = ({_columns('NEW.', in_state)})
         WHERE s.run_id = OLD.run_id AND s.id = OLD.id AND {same_state};
         IF NOT FOUND THEN
             RAISE EXCEPTION 'experience % changed while this statement updated it', OLD.id
                 USING ERRCODE = 'serialization_failure';
         END IF;
     END IF;
-    IF ({_columns('NEW.', data_columns)}) IS DISTINCT FROM ({_columns('OLD.', data_columns)}) THEN
-        UPDATE experience_data SET ({_columns('', data_columns)}) = ({_columns('NEW.', data_columns)})
+    IF ({_columns('NEW.', in_data)}) IS DISTINCT FROM ({_columns('OLD.', in_data)}) THEN
+        UPDATE experience_data SET ({_columns('', in_data)}) = ({_columns('NEW.', in_data)})
         WHERE run_id = OLD.run_id AND id = OLD.id RETURNING prompt_len, response_len
         INTO NEW.prompt_len, NEW.response_len;
     END IF;

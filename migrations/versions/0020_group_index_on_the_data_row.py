@@ -56,17 +56,11 @@ def _view(state: tuple[str, ...]) -> str:
     return _0013._view(state).replace("CREATE VIEW", "CREATE OR REPLACE VIEW", 1)
 
 
-def _partitions(parent: str) -> list[str]:
-    return op.get_bind().exec_driver_sql(
-        "SELECT inhrelid::regclass::text FROM pg_inherits "
-        f"WHERE inhparent = '{parent}'::regclass ORDER BY 1").scalars().all()
-
-
 def _move_groups_trigger(source: str, target: str) -> None:
     """experience_groups_add off `source` and its partitions, onto `target` and its."""
-    for table in [source] + _partitions(source):
+    for table in [source] + _0017._partitions(source):
         op.execute(f"DROP TRIGGER experience_groups_add ON {table}")
-    for table in [target] + _partitions(target):
+    for table in [target] + _0017._partitions(target):
         op.execute(_0016.TRIGGER.format(table=table))
 
 

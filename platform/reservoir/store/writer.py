@@ -141,19 +141,19 @@ async def write_groups(
             reason = f"the connection to the database was lost ({reason})"
         raise StoreError(f"writing {len(admitted)} groups failed in the database; nothing of "
                          f"this batch was written: {reason}") from exc
-    await _first_statistics(engine, [(run_id, before, after)
-                                     for run_id, before, after, _ in counted])
+    await _first_statistics(engine, counted)
     result.group_ids = [group.group_id for group in stream.accepted]
     result.groups, result.rows = len(stream.accepted), sum(n for _, n in written)
     result.rejected.sort(key=lambda exc: exc.group_index)
     return result
 
 
-async def _first_statistics(engine: AsyncEngine, counted: list[tuple[int, int, int]]) -> None:
-    """Analyze the state partition of each run this write took to FIRST_STATISTICS_AT rows
-    (partitions.py), from (run id, rows before, rows after). The rows are committed: if this
-    fails, the statistics wait for autovacuum, and the write stands."""
-    first = [run_id for run_id, before, after in counted
+async def _first_statistics(engine: AsyncEngine, counted) -> None:
+    """Analyze the partitions of each run this write took to FIRST_STATISTICS_AT rows
+    (partitions.analyze), from INSERTED_AND_NOTIFY's rows (run id, rows before, rows after,
+    notified). The rows are committed: if this fails, the statistics wait for autovacuum, and
+    the write stands."""
+    first = [run_id for run_id, before, after, _ in counted
              if before < partitions.FIRST_STATISTICS_AT <= after]
     try:
         for run_id in first:
