@@ -614,3 +614,46 @@ def test_the_group_s_columns_move_to_the_data_row_with_their_index(new_database,
         _state_indexes(engine, "experience_state_r1").values())
     assert _groups_triggers(engine) == ["experience_state", "experience_state_r1",
                                         "experience_state_r2", "experience_state_r3"]
+
+
+DATA_STORAGE = """
+SELECT c.relname, coalesce(array_to_string(c.reloptions, ','), ''),
+       pg_relation_size(c.reltoastrelid) > 0
+FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+WHERE i.inhparent = 'experience_data'::regclass ORDER BY 1"""
+# A row of three incompressible 1 KB arrays (~3.2 KB with its texts), into run `run`.
+WIDE_ROW = """
+WITH kb AS (SELECT decode(string_agg(lpad(to_hex((random() * 4294967295)::bigint), 8, '0'), ''),
+                          'hex') AS b FROM generate_series(1, 256))
+INSERT INTO experiences (run_id, group_id, group_row, policy_version, prompt_text,
+                         response_text, prompt_ids, response_ids, logprobs, reward)
+SELECT {run}, gen_random_uuid(), 0, 0, 'p', 'r', b, b || '', b || '\\x00', 0 FROM kb"""
+
+
+def test_a_run_s_data_rows_stay_in_their_page_up_to_a_page(new_database, engines):
+    """Migration 0021 on a populated store: every data partition, and a run's created later,
+    keeps rows up to a page whole (toast_tuple_target 8160), so a row of three 1 KB arrays
+    writes nothing to the TOAST table, where before its arrays went out of line; the
+    downgrade resets the partitions and new runs."""
+    engine = engines(new_database())
+    populate_at_0012(engine)
+    migrate.upgrade(engine, "0020")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (3, 'three')"))
+        conn.execute(text(WIDE_ROW.format(run=3)))
+        assert conn.execute(text(DATA_STORAGE)).all() == [
+            ("experience_data_r1", "", False), ("experience_data_r2", "", False),
+            ("experience_data_r3", "", True)]
+    migrate.upgrade(engine, "0021")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (4, 'four')"))
+        for run in (1, 4):
+            conn.execute(text(WIDE_ROW.format(run=run)))
+        target = "toast_tuple_target=8160"
+        assert conn.execute(text(DATA_STORAGE)).all() == [
+            ("experience_data_r1", target, False), ("experience_data_r2", target, False),
+            ("experience_data_r3", target, True), ("experience_data_r4", target, False)]
+    migrate.downgrade(engine, "0020")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (5, 'five')"))
+        assert {option for _, option, _ in conn.execute(text(DATA_STORAGE))} == {""}
