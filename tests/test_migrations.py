@@ -657,3 +657,87 @@ def test_a_run_s_data_rows_stay_in_their_page_up_to_a_page(new_database, engines
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO runs (id, name) VALUES (5, 'five')"))
         assert {option for _, option, _ in conn.execute(text(DATA_STORAGE))} == {""}
+
+
+EXPERIENCE_KEYS = """
+SELECT conrelid::regclass::text, confrelid::regclass::text FROM pg_constraint
+WHERE contype = 'f' AND conparentid = 0 AND conrelid::regclass::text ~ '^experience_(data|state)'
+  AND confrelid::regclass::text !~ '^(tasks|experience_state)$'
+ORDER BY 1"""
+EXPERIENCE_TRIGGERS = """
+SELECT tgrelid::regclass::text, tgname FROM pg_trigger
+WHERE tgname IN ('experience_keys', 'experience_state_unlink', 'experiences_unlink',
+                 'ledger_ids_kept') AND tgrelid::regclass::text ~ '^(experience_data|runs)'
+   OR tgname IN ('experience_keys') ORDER BY 1, 2"""
+STATE_ROWS = "SELECT run_id, id FROM experience_state ORDER BY 1, 2"
+
+
+def test_an_experience_s_keys_hold_once_a_statement_on_every_path(new_database, engines):
+    """Migration 0022 on a populated store: the keys of the data row (to its run) and of the
+    state row (to its data row, and to its run) become statement triggers on the data and
+    state tables, each with every partition (a run created later too), and on runs. They
+    refuse what the keys refused, through the parent and straight into a partition; they
+    delete what the keys' ON DELETE CASCADE deleted; an id a key names does not change; the
+    downgrade gives the keys back."""
+    engine = engines(new_database())
+    populate_at_0012(engine)
+    migrate.upgrade(engine, "0022")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name) VALUES (3, 'three'), (4, 'four')"))
+        conn.execute(text("DELETE FROM runs WHERE id = 4"))  # its partitions stay, empty
+        assert conn.execute(text(EXPERIENCE_KEYS)).all() == []
+        triggers = conn.execute(text(EXPERIENCE_TRIGGERS)).all()
+    data = [f"experience_data{suffix}" for suffix in ("", "_r1", "_r2", "_r3", "_r4")]
+    state = [f"experience_state{suffix}" for suffix in ("", "_r1", "_r2", "_r3", "_r4")]
+    assert triggers == sorted(
+        [(table, name) for table in data
+         for name in ("experience_keys", "experience_state_unlink", "ledger_ids_kept")]
+        + [(table, "experience_keys") for table in state]
+        + [("runs", "experiences_unlink"), ("runs", "ledger_ids_kept")])
+    data_row = ("INSERT INTO {table} (id, run_id, prompt_text, response_text, prompt_ids, "
+                "response_ids, reward, group_id, group_row) "
+                "VALUES ({id}, {run}, 'p', 'r', '\\x', '\\x', 0, gen_random_uuid(), 0)")
+    state_row = "INSERT INTO {table} (id, run_id, policy_version) VALUES ({id}, {run}, 0)"
+    refusals = [  # (statement, SQLSTATE): 23503 foreign_key_violation, 23514 check_violation
+        (data_row.format(table="experience_data", id=9, run=4), "23503"),  # run 4 is gone
+        (data_row.format(table="experience_data_r4", id=9, run=4), "23503"),
+        (state_row.format(table="experience_state", id=9, run=1), "23503"),
+        (state_row.format(table="experience_state", id=4, run=1), "23503"),  # run 2's
+        (state_row.format(table="experience_state_r1", id=9, run=1), "23503"),
+        (data_row.format(table="experience_data_r3", id=9, run=3) + "; "
+         + state_row.format(table="experience_state_r3", id=10, run=3), "23503"),
+        ("UPDATE experience_data SET id = id", "23514"),
+        ("UPDATE experience_data_r1 SET run_id = run_id", "23514"),
+        ("UPDATE runs SET id = id", "23514"),
+    ]
+    assert [_refused(engine, statement) for statement, _ in refusals] == [
+        code for _, code in refusals]
+    with engine.begin() as conn:  # allowed: a data row and its state row, into either table
+        conn.execute(text(data_row.format(table="experience_data", id=9, run=3)))
+        conn.execute(text(state_row.format(table="experience_state_r3", id=9, run=3)))
+        conn.execute(text(data_row.format(table="experience_data_r3", id=10, run=3)
+                          + "; " + state_row.format(table="experience_state", id=10, run=3)))
+        assert conn.execute(text(STATE_ROWS)).all() == [
+            (1, 1), (1, 2), (1, 3), (2, 4), (3, 9), (3, 10)]
+    deletes = {  # what each delete leaves of the state rows (and of the ledger)
+        "DELETE FROM experiences WHERE id = 1": [(1, 2), (1, 3), (2, 4), (3, 9), (3, 10)],
+        "DELETE FROM experience_data_r1 WHERE id IN (2, 3)": [(1, 1), (2, 4), (3, 9), (3, 10)],
+        "DELETE FROM experience_data WHERE id IN (1, 4, 9)": [(1, 2), (1, 3), (3, 10)],
+        "DELETE FROM runs WHERE id IN (2, 3)": [(1, 1), (1, 2), (1, 3)],
+    }
+    for statement, left in deletes.items():
+        with engine.begin() as conn:
+            conn.execute(text(statement))
+            assert conn.execute(text(STATE_ROWS)).all() == left, statement
+            ledger = conn.execute(text("SELECT experience_id FROM batch_items")).scalars().all()
+            assert ledger == ([1] if (1, 1) in left else []), statement
+            conn.rollback()
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM experience_data WHERE run_id = 3"))
+    migrate.downgrade(engine, "0021")
+    with engine.connect() as conn:
+        assert conn.execute(text(EXPERIENCE_KEYS)).all() == [
+            ("experience_data", "runs"), ("experience_state", "runs")] + [
+            (f"experience_state_r{run}", f"experience_data_r{run}") for run in (1, 2, 3, 4)]
+        assert conn.execute(text(EXPERIENCE_TRIGGERS)).all() == []
+    assert _refused(engine, state_row.format(table="experience_state", id=4, run=1)) == "23503"

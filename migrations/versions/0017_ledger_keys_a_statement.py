@@ -125,14 +125,14 @@ CREATE TRIGGER ledger_ids_kept AFTER UPDATE OF id ON train_steps
 """
 
 
-def _per_partition(parent: str) -> str:
-    """PL/pgSQL that gives the run's new partition of `parent` its triggers."""
+def _per_partition(parent: str, triggers: list[str]) -> str:
+    """PL/pgSQL that gives the run's new partition of `parent` these triggers."""
     return "".join(
         f"""
             IF part.parent = '{parent}' THEN
                 EXECUTE format('{trigger.format(table="%I").replace("'", "''")}',
                                part.parent || '_r' || run);
-            END IF;""" for trigger in TRIGGERS[parent])
+            END IF;""" for trigger in triggers)
 
 
 # experience_partitions_add as 0016 left it, its ledger partition without 0014's key and each
@@ -141,10 +141,11 @@ _LEDGER_KEY = "(3, 'batch_items', 'experience_id_fkey', '(run_id, experience_id)
 _LAST = """            END IF;
         END IF;
     END LOOP;"""
+_NEW_TRIGGERS = "".join(_per_partition(parent, TRIGGERS[parent])
+                        for parent in ("experience_state", "batch_items"))
 PARTITIONS = (_0016.PARTITIONS
               .replace(_LEDGER_KEY, "(3, 'batch_items', NULL, NULL, NULL)")
-              .replace(_LAST, "            END IF;" + _per_partition("experience_state")
-                       + _per_partition("batch_items") + "\n        END IF;\n    END LOOP;")
+              .replace(_LAST, "            END IF;" + _NEW_TRIGGERS + "\n        END IF;\n    END LOOP;")
               .replace("each with its foreign key to the run''s partition it names",
                        "the state partition''s key to the data partition, and their triggers"))
 assert PARTITIONS.count("CREATE TRIGGER") == 5 and _LEDGER_KEY not in PARTITIONS, \

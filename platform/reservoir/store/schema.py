@@ -119,7 +119,9 @@ experience_data = Table(
     "experience_data",
     metadata,
     Column("id", BigInteger, nullable=False),  # default: experience_data_id_seq
-    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    # names a run; deleting the run deletes the row: a statement trigger (experience_keys,
+    # experiences_unlink: migration 0022), not a foreign key, which ran a query for every row
+    Column("run_id", BigInteger, nullable=False),
     Column("task_id", BigInteger, ForeignKey("tasks.id", ondelete="SET NULL")),
     Column("prompt_text", Text, nullable=False),
     Column("response_text", Text, nullable=False),
@@ -158,7 +160,7 @@ experience_state = Table(
     "experience_state",
     metadata,
     Column("id", BigInteger, nullable=False),
-    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("run_id", BigInteger, nullable=False),
     Column("policy_version", Integer, nullable=False),
     Column("status", Text, nullable=False, server_default="ready"),
     Column("priority", Float, nullable=False, server_default="0"),
@@ -171,9 +173,9 @@ experience_state = Table(
         "(status = 'leased') = (lease_token IS NOT NULL)", name="experience_state_lease_iff_leased"
     ),
     PrimaryKeyConstraint("id", "run_id", name="experience_state_pkey"),
-    # Each partition's key names the run's data partition, experience_state_r<id>_data
-    # (run_id, id) -> experience_data_r<id> (migration 0014): a key to a partitioned table is
-    # checked through its parent, ~9 times the cost a row.
+    # A state row names its data row (and through it the run), and goes when it goes: statement
+    # triggers (experience_keys, experience_state_unlink: migration 0022) that check a
+    # statement's rows against the run's data partition in one query, not foreign keys.
     Index("experience_state_ready", "run_id", "created_at", "id",
           postgresql_where=text("status = 'ready'")),
     Index(

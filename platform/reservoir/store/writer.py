@@ -165,15 +165,16 @@ async def _first_statistics(engine: AsyncEngine, counted) -> None:
 
 
 async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status: str) -> None:
-    """COPY the rows chunk by chunk: each chunk's data rows, then its state rows, one COPY
-    each, while Python checks and encodes the next chunk (asyncpg sends a COPY's rows 512 KB at
-    a time, so one COPY of a 512-row call, ~1 MB, started the server only once half of Python's
-    work was done). A bad group in "raise" mode ends the stream and raises here once the COPYs
-    already sent are done (the caller's transaction rolls back); a COPY the server refuses
-    raises its error."""
+    """COPY the rows: each chunk's data rows as one COPY while Python checks and encodes the
+    next chunk (asyncpg sends a COPY's rows 512 KB at a time, so one COPY of a 512-row call,
+    ~1 MB, started the server only once half of Python's work was done), then all their state
+    rows in one COPY (~40 bytes a row; its rows' keys are checked once, at its end: migration
+    0022). A bad group in "raise" mode ends the stream and raises here once the COPYs already
+    sent are done (the caller's transaction rolls back); a COPY the server refuses raises its
+    error."""
     raw = (await conn.get_raw_connection()).driver_connection
     data_table, state_table = _tables(stream)
-    await raw.execute(f"SELECT {REUSE_PLANS}")  # the keys each row checks, and the group trigger
+    await raw.execute(f"SELECT {REUSE_PLANS}")  # the keys some rows check, and the triggers
     copies: asyncio.Queue = asyncio.Queue()
 
     async def run_copies() -> None:
@@ -182,12 +183,15 @@ async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status
             await raw.copy_records_to_table(table, columns=columns, records=records)
 
     copying = asyncio.ensure_future(run_copies())
+    states: list[tuple] = []
     try:
         async for data, state in stream.chunks(ids, status):
             if copying.done():
                 break  # the server refused a COPY: awaited below, it raises
             copies.put_nowait((data_table, COPY_DATA_COLUMNS, data))
-            copies.put_nowait((state_table, COPY_STATE_COLUMNS, state))
+            states.extend(state)
+        if stream.error is None and states:
+            copies.put_nowait((state_table, COPY_STATE_COLUMNS, states))
         copies.put_nowait(None)
         await copying
     finally:
