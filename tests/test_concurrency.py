@@ -104,6 +104,44 @@ def _delete_in_thread(store, statement: str) -> tuple[threading.Thread, list]:
     return thread, outcome
 
 
+STATE_WITHOUT_DATA = text("""SELECT count(*) FROM experience_state s WHERE NOT EXISTS
+    (SELECT FROM experience_data d WHERE d.run_id = s.run_id AND d.id = s.id)""")
+DATA_ROW = ("INSERT INTO experience_data (id, run_id, prompt_text, response_text, prompt_ids, "
+            "response_ids, reward, group_id, group_row) VALUES ({id}, {run}, 'p', 'r', '\\x', "
+            "'\\x', 0, gen_random_uuid(), 0)")
+STATE_ROW = "INSERT INTO experience_state (id, run_id, policy_version) VALUES ({id}, {run}, 0)"
+
+
+def test_a_state_row_written_while_its_data_row_is_deleted_leaves_no_dangling_row(store):
+    """An experience's keys are statement triggers (migration 0022), which lock no data row
+    they check under READ COMMITTED: a delete of a data row waits for the state writes in
+    flight, then takes their rows with it; a state write that starts after the delete finds
+    the data row gone."""
+    run = store.create_run("r")
+    with store.engine.begin() as conn:  # two data rows without their state rows yet
+        conn.execute(text(DATA_ROW.format(id=101, run=run) + "; "
+                          + DATA_ROW.format(id=102, run=run)))
+    with store.engine.connect() as writing:
+        with writing.begin():
+            writing.execute(text(STATE_ROW.format(id=101, run=run)))
+            thread, outcome = _delete_in_thread(
+                store, "DELETE FROM experience_data WHERE id = 101")
+            assert _waiting_for_a_lock(store), "the delete did not wait for the state write"
+        thread.join(10)
+    with store.engine.connect() as conn:
+        assert outcome == ["deleted"]
+        assert conn.execute(text("SELECT count(*) FROM experience_state")).scalar() == 0
+    thread, outcome = _delete_in_thread(store, "DELETE FROM experience_data WHERE id = 102; "
+                                               "SELECT pg_sleep(0.5)")
+    time.sleep(0.25)  # the delete is done, not committed: the state write waits for it
+    with pytest.raises(IntegrityError, match="experience 102 of run .* is not in experience_data"):
+        with store.engine.begin() as writing:
+            writing.execute(text(STATE_ROW.format(id=102, run=run)))
+    thread.join(10)
+    with store.engine.connect() as conn:
+        assert outcome == ["deleted"] and conn.execute(STATE_WITHOUT_DATA).scalar() == 0
+
+
 DANGLING = text("""SELECT count(*) FROM batch_items b WHERE NOT EXISTS
     (SELECT FROM experience_state s WHERE s.run_id = b.run_id AND s.id = b.experience_id)""")
 
