@@ -428,3 +428,32 @@ def test_a_parent_names_an_experience_and_its_run(seeded):
                          "WHERE parent_id IS NOT NULL")
     child_run = fetch(seeded, "SELECT id FROM runs WHERE name = 'child'")[0][0]
     assert rows == [(parent_id, parent_run, child_run)] * 4 and parent_run != child_run
+
+
+def test_a_write_cancelled_in_its_lookup_is_one_line_and_writes_nothing(seeded):
+    """A write whose first statement (the runs, group ids and new ids it looks up) fails in the
+    database: one StoreError line, nothing written. It used to raise UnboundLocalError: the
+    message counted the admitted groups, which the lookup had not yet made."""
+    import threading
+    import time
+
+    def cancel_the_waiting_write() -> None:
+        with seeded.engine.connect() as conn:
+            for _ in range(250):
+                pids = conn.execute(text(
+                    "SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
+                    "WHERE NOT l.granted AND a.query LIKE '%experience_groups%'")).scalars().all()
+                if pids:
+                    conn.execute(text("SELECT pg_cancel_backend(:pid)"), {"pid": pids[0]})
+                    return
+                time.sleep(0.02)
+
+    before = counts(seeded)
+    with seeded.engine.connect() as locker, locker.begin():
+        locker.execute(text("LOCK TABLE experience_groups IN ACCESS EXCLUSIVE MODE"))
+        canceller = threading.Thread(target=cancel_the_waiting_write)
+        canceller.start()
+        with pytest.raises(StoreError, match=r"nothing of this batch was written: .*cancel"):
+            seeded.write_groups([make_group("r", seed=7)])
+        canceller.join(10)
+    assert counts(seeded) == before

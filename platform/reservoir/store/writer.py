@@ -139,7 +139,7 @@ async def write_groups(
         reason = describe(getattr(exc, "orig", None) or exc)  # the driver's first line
         if retry.is_outage(exc):
             reason = f"the connection to the database was lost ({reason})"
-        raise StoreError(f"writing {len(admitted)} groups failed in the database; nothing of "
+        raise StoreError(f"writing {len(groups)} groups failed in the database; nothing of "
                          f"this batch was written: {reason}") from exc
     await _first_statistics(engine, counted)
     result.group_ids = [group.group_id for group in stream.accepted]
