@@ -27,9 +27,11 @@ What is compared (rows/s, and the ratio Reservoir / bare; the target is >= 0.8 f
 Why it is fair:
 - Both sides write to the same server and database, into tables of the same shape: the bare
   tables are `LIKE experience_data / experience_state INCLUDING ALL` (columns, generated
-  columns, column storage, CHECK constraints, indexes) plus the same foreign keys, their own id
+  columns, column storage, CHECK constraints, indexes) plus the same keys, their own id
   sequence and the run partitions' storage parameters (migration 0021's rows up to a page
-  whole); the script checks the catalog and stops if anything differs.
+  whole); the script checks the catalog and stops if anything differs. The keys the store
+  checks once a statement (to runs, a state row's to its data row: migration 0022) are
+  foreign keys on the bare tables, checked a row at a time, as PostgreSQL checks them.
 - The rows are identical (one seeded pool; the first row of each table is compared byte for
   byte), and both sides send the same number of rows per call (COPY or write_groups).
 - The bare COPY gets its rows pre-encoded (bytes, JSON text) before timing: the baseline is the
@@ -681,7 +683,9 @@ def report(pairs: dict[str, list[Measure]], args) -> None:
 NOTES = """\
 notes: the bare COPY's rows were encoded (bytes, JSON text) before timing and its ids are
   counted in Python, so the baseline is the driver and server cost alone; Reservoir's
-  validation, encoding and id draw are timed. The bare lease is one UPDATE .. RETURNING per
+  validation, encoding and id draw are timed. The bare tables check the rows' keys (to runs,
+  state to data) as foreign keys, a query a row; the store checks them once a statement
+  (migration 0022). The bare lease is one UPDATE .. RETURNING per
   batch (its own transaction) on a one-table queue (each lease rewrites the wide row) and
   commits no step; Reservoir's lease+commit rewrites the narrow state row twice and writes
   the step and one ledger row per experience. "same ledger" is a bare loop that commits
