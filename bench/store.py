@@ -604,8 +604,8 @@ def _scans(plan: dict) -> list[str]:
 
 def plan_lines(bare: Bare, store: Store, run_id: int, batch: int) -> list[str]:
     """How the server runs each side's lease now (EXPLAIN, nothing executed)."""
-    ours = lease_statement("rows", store.flow, False, (run_id,)).params(
-        n=batch, wanted=batch, token=uuid.uuid4(),
+    ours = lease_statement("rows", store.flow, False, (run_id,), batch).params(
+        wanted=batch, token=uuid.uuid4(),
         lease_for=timedelta(seconds=store.flow.lease_seconds))
     reservoir_sql = str(ours.compile(dialect=postgresql.dialect(),
                                      compile_kwargs={"literal_binds": True}))

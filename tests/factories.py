@@ -74,8 +74,11 @@ def planned_relations(engine, statement, params: dict) -> set[str]:
 def rows_read(engine, statement, params: dict, table_prefix: str) -> int:
     """The rows the server's scans of the tables named `table_prefix*` read (returned or
     removed by a filter, every loop) when it runs `statement`, in a transaction rolled back."""
-    plan = _plan(engine, statement, params, ", ANALYZE")
+    return _read(_plan(engine, statement, params, ", ANALYZE"), table_prefix)
 
+
+def _read(plan: dict, table_prefix: str) -> int:
+    """The rows a plan's scans of the tables named `table_prefix*` read, every loop."""
     def read(node):
         if (node.get("Relation Name") or "").startswith(table_prefix):
             yield (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
@@ -93,6 +96,35 @@ def lease_rows_read(store: Store, run_id: int, unit: str, n: int) -> int:
 
     from reservoir.store import sampler
 
-    return rows_read(store.engine, sampler.lease_statement(unit, store.flow, False, (run_id,)),
-                     dict(n=n, wanted=n, token=str(uuid.uuid4()),
-                          lease_for=timedelta(seconds=60)), "experience_state")
+    return rows_read(store.engine, sampler.lease_statement(unit, store.flow, False, (run_id,), n),
+                     dict(wanted=n, token=str(uuid.uuid4()), lease_for=timedelta(seconds=60)),
+                     "experience_state")
+
+
+def kept_plan_rows_read(store: Store, prepared, params: dict, table_prefix: str) -> int:
+    """The rows the server's scans of the tables named `table_prefix*` read when `prepared`
+    (a store.prepared.Prepared) runs with the plan a lease's connection keeps: planned once,
+    generically (engine.KEPT_PLANS_SETTINGS), as PREPARE and EXPLAIN EXECUTE show it; in a
+    transaction rolled back."""
+    import json
+
+    async def explain() -> dict:
+        async with store.aio.leases.connect() as conn:
+            driver = (await conn.get_raw_connection()).driver_connection
+            statement = await driver.prepare(prepared.sql)
+            types = [await driver.fetchval("SELECT format_type($1, NULL)", t.oid)
+                     for t in statement.get_parameters()]
+            values = [await driver.fetchval(f"SELECT quote_nullable(CAST($1 AS {t}))", value)
+                      + f"::{t}" for t, value in zip(types, prepared.args(params))]
+            await driver.execute(f"PREPARE kept ({', '.join(types)}) AS {prepared.sql}")
+            transaction = driver.transaction()
+            await transaction.start()
+            try:
+                plan = await driver.fetchval(
+                    f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE kept({', '.join(values)})")
+                return (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
+            finally:
+                await transaction.rollback()
+                await driver.execute("DEALLOCATE kept")  # a session's, not the transaction's
+
+    return _read(store._loop.run(explain()), table_prefix)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import func, select, text, update
 
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
 from reservoir.store.schema import batch_items, experiences, runs, train_steps
-from tests.factories import fill, lease_rows_read, make_group, planned_relations
+from tests.factories import (fill, kept_plan_rows_read, lease_rows_read, make_group,
+                             planned_relations)
 
 
 def statuses(store) -> dict[str, int]:
@@ -271,16 +274,13 @@ def test_a_lease_reads_only_its_runs_partitions(store, unit):
     only their partitions: joined through the parents (the data row, the group's size, the
     group's leader), a lease on a store of 200 runs took 6.5 times as long as on a store of
     one (43.6 ms against 6.8 ms for the lease statement, 256 rows)."""
-    import uuid
-    from datetime import timedelta
-
     from reservoir.store import partitions, sampler
 
     leased = store.create_run("leased", group_size=4)
     other = store.create_run("other", group_size=4)
     read = planned_relations(store.engine, sampler.lease_statement(
-        unit, store.flow, False, (leased,)), dict(
-        n=8, wanted=8, token=str(uuid.uuid4()), lease_for=timedelta(seconds=60)))
+        unit, store.flow, False, (leased,), 8), dict(
+        wanted=8, token=str(uuid.uuid4()), lease_for=timedelta(seconds=60)))
     assert not {name for name in read if name.endswith(f"_r{other}")}, read
     assert {partitions.name("experience_state", leased),
             partitions.name("experience_data", leased)} <= read
@@ -299,6 +299,25 @@ def test_a_lease_reads_its_rows_not_every_ready_row_of_its_run(store, unit):
     assert read < 500, f"the lease of 32 rows read {read} rows of the run's 2,400"
 
 
+@pytest.mark.parametrize("unit", ["rows", "groups"])
+def test_the_plan_a_lease_keeps_reads_its_rows_not_every_row_of_its_run(store, unit):
+    """A lease's connection plans its statement once, generically, and keeps the plan. With
+    the batch size bound, PostgreSQL planned that plan for a tenth of the run's rows: a lease
+    of whole groups hashed every row of its run to pick its groups (10,336 data rows read for
+    4 groups of a run of 5,120; ~4 s a lease on a run of 190,000). The size and the most
+    times sampled are written into the SQL."""
+    from reservoir.store import sampler
+
+    run_id = store.create_run("r", group_size=8)
+    fill(store, "r", 300, size=8)  # 2,400 ready rows, analyzed by the writer
+    n = 32 if unit == "rows" else 4  # 32 rows either way
+    lease = sampler._prepared_lease(unit, store.flow, False, (run_id,), n)
+    params = dict(wanted=n, token=uuid.uuid4(), lease_for=timedelta(seconds=60))
+    read = {table: kept_plan_rows_read(store, lease, params, table)
+            for table in ("experience_data", "experience_state")}
+    assert max(read.values()) < 500, f"the kept plan of a lease of 32 rows read {read}"
+
+
 def test_no_execution_of_a_lease_locks_every_run_s_partitions(store):
     """asyncpg prepares each statement, and a generic plan of a statement that names the runs
     by a parameter locks every partition of the tables it names (1,438 locks for a lease on a
@@ -306,16 +325,13 @@ def test_no_execution_of_a_lease_locks_every_run_s_partitions(store):
     "out of shared memory". The lease and the step commit write their runs' ids into their
     SQL, so the plan their connections keep (planned once, generically) locks their run's
     partitions only, every time."""
-    import uuid
-    from datetime import timedelta
-
     from reservoir.store import ledger, sampler
 
     leased = store.create_run("leased", group_size=4)
     for i in range(20):
         store.create_run(f"other-{i}", group_size=4)
     fill(store, "leased", 3)
-    lease = sampler._prepared_lease("rows", store.flow, False, (leased,))
+    lease = sampler._prepared_lease("rows", store.flow, False, (leased,), 1)
     commit = ledger._prepared_commit((leased,))
     locks = "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid()"
 
