@@ -79,8 +79,8 @@ def parse_args() -> argparse.Namespace:
                    metavar=("ONE", "MAX"), help="a node's bare COPY rows/s: 1 writer, saturated")
     p.add_argument("--node-lease", type=float, nargs=2, default=[27_700, 70_000],
                    metavar=("ONE", "MAX"), help="a node's bare lease rows/s: 1 lessee, saturated")
-    p.add_argument("--write-ratio", type=float, default=0.8, help="Reservoir / bare COPY")
-    p.add_argument("--lease-ratio", type=float, default=0.67,
+    p.add_argument("--write-ratio", type=float, default=0.86, help="Reservoir / bare COPY")
+    p.add_argument("--lease-ratio", type=float, default=0.88,
                    help="Reservoir lease+commit / bare lease")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
