@@ -667,7 +667,8 @@ ORDER BY 1"""
 EXPERIENCE_TRIGGERS = """
 SELECT tgrelid::regclass::text, tgname FROM pg_trigger
 WHERE tgname IN ('experience_keys', 'experience_state_unlink', 'experiences_unlink',
-                 'ledger_ids_kept') AND tgrelid::regclass::text ~ '^(experience_data|runs)'
+                 'ledger_ids_kept', 'experience_data_truncate')
+  AND tgrelid::regclass::text ~ '^(experience_data|runs)'
    OR tgname IN ('experience_keys') ORDER BY 1, 2"""
 STATE_ROWS = "SELECT run_id, id FROM experience_state ORDER BY 1, 2"
 
@@ -691,7 +692,8 @@ def test_an_experience_s_keys_hold_once_a_statement_on_every_path(new_database, 
     state = [f"experience_state{suffix}" for suffix in ("", "_r1", "_r2", "_r3", "_r4")]
     assert triggers == sorted(
         [(table, name) for table in data
-         for name in ("experience_keys", "experience_state_unlink", "ledger_ids_kept")]
+         for name in ("experience_data_truncate", "experience_keys", "experience_state_unlink",
+                      "ledger_ids_kept")]
         + [(table, "experience_keys") for table in state]
         + [("runs", "experiences_unlink"), ("runs", "ledger_ids_kept")])
     data_row = ("INSERT INTO {table} (id, run_id, prompt_text, response_text, prompt_ids, "
@@ -709,10 +711,13 @@ def test_an_experience_s_keys_hold_once_a_statement_on_every_path(new_database, 
         ("UPDATE experience_data SET id = id", "23514"),
         ("UPDATE experience_data_r1 SET run_id = run_id", "23514"),
         ("UPDATE runs SET id = id", "23514"),
+        ("TRUNCATE experience_data_r1", "23503"),  # its state rows would stay
+        ("TRUNCATE experience_data", "23503"),
     ]
     assert [_refused(engine, statement) for statement, _ in refusals] == [
         code for _, code in refusals]
     with engine.begin() as conn:  # allowed: a data row and its state row, into either table
+        conn.execute(text("TRUNCATE experience_data_r4"))  # nothing of it in the state rows
         conn.execute(text(data_row.format(table="experience_data", id=9, run=3)))
         conn.execute(text(state_row.format(table="experience_state_r3", id=9, run=3)))
         conn.execute(text(data_row.format(table="experience_data_r3", id=10, run=3)

@@ -22,6 +22,8 @@ query a run for all of a statement's rows, keeping what the keys held:
   run's state partition that waits for state writes in flight (SHARE ROW EXCLUSIVE).
 - `experiences_unlink`, after a DELETE on runs: the deleted runs' experiences go (the keys'
   ON DELETE CASCADE; Reservoir itself drops a run's partitions before its row).
+- `experience_data_truncate`, before a TRUNCATE of experience_data or a data partition: refused
+  while the state rows it would orphan are there (the key refused any such truncate).
 - `ledger_ids_kept` (0017's), after an UPDATE of a data row's id or run_id, or of a run's id:
   refused, as the keys refused changing an id a row named (the ledger names both; nothing in
   Reservoir changes one).
@@ -107,6 +109,22 @@ BEGIN
 END $$;
 COMMENT ON FUNCTION experiences_unlink() IS
   'The experiences of deleted runs go with them.';
+
+CREATE FUNCTION experience_data_truncate() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    state text := replace(TG_TABLE_NAME, 'experience_data', 'experience_state');
+    held boolean;
+BEGIN
+    EXECUTE format('SELECT EXISTS (SELECT FROM %I)', state) INTO held;
+    IF held THEN
+        RAISE EXCEPTION '%: TRUNCATE would leave the rows of % without their data rows; DELETE '
+            'the rows (their state rows go with them) or drop the run''s partitions', TG_TABLE_NAME,
+            state USING ERRCODE = 'foreign_key_violation';
+    END IF;
+    RETURN NULL;
+END $$;
+COMMENT ON FUNCTION experience_data_truncate() IS
+  'A data table is truncated only when its state rows are gone.';
 """
 # Each trigger, by the parent it is on; the parent's partitions get the same.
 TRIGGERS = {
@@ -117,6 +135,8 @@ TRIGGERS = {
         "AS removed FOR EACH STATEMENT EXECUTE FUNCTION experience_state_unlink()",
         "CREATE TRIGGER ledger_ids_kept AFTER UPDATE OF id, run_id ON {table} FOR EACH "
         "STATEMENT EXECUTE FUNCTION ledger_ids_kept('id, run_id')",
+        "CREATE TRIGGER experience_data_truncate BEFORE TRUNCATE ON {table} FOR EACH STATEMENT "
+        "EXECUTE FUNCTION experience_data_truncate()",
     ],
     "experience_state": [
         "CREATE TRIGGER experience_keys AFTER INSERT ON {table} REFERENCING NEW TABLE AS added "
@@ -177,7 +197,7 @@ def downgrade() -> None:
                 op.execute(f"DROP TRIGGER {_0017._name(trigger)} ON {table}")
     op.execute("DROP TRIGGER experiences_unlink ON runs; DROP TRIGGER ledger_ids_kept ON runs; "
                "DROP FUNCTION experience_keys(); DROP FUNCTION experience_state_unlink(); "
-               "DROP FUNCTION experiences_unlink();")
+               "DROP FUNCTION experiences_unlink(); DROP FUNCTION experience_data_truncate();")
     for parent, key in RUN_KEYS.items():
         op.execute(f"ALTER TABLE {parent} ADD CONSTRAINT {key} FOREIGN KEY (run_id) "
                    "REFERENCES runs (id) ON DELETE CASCADE")
