@@ -83,6 +83,8 @@ from reservoir.store.sampler import lease_statement
 from reservoir.store.writer import COPY_DATA_COLUMNS, COPY_STATE_COLUMNS
 
 BARE_DATA, BARE_STATE = "bench_bare_data", "bench_bare_state"
+# Each bare COPY table with the store's parent table whose run partition it copies.
+BARE_OF = (("experience_data", BARE_DATA), ("experience_state", BARE_STATE))
 BARE_QUEUE = "bench_bare_queue"  # one wide row per experience: the layout before 0012
 # A second queue like the first, with a step table and a ledger keyed to both: the bare loop
 # that also commits (diagnostic), kept apart so that neither queue's leases age the other.
@@ -352,7 +354,7 @@ def create_bare_tables(bare: Bare, run_id: int) -> str:
             FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE);
         ALTER TABLE {BARE_DATA} ADD FOREIGN KEY (parent_run_id, parent_id)
             REFERENCES {BARE_STATE} (run_id, id) ON DELETE SET NULL;""")
-    for ours, theirs in (("experience_data", BARE_DATA), ("experience_state", BARE_STATE)):
+    for ours, theirs in BARE_OF:
         [options] = bare.fetch("SELECT reloptions FROM pg_class WHERE oid = $1::regclass",
                                f"{ours}_r{run_id}")[0]
         if options:  # the partition's storage parameters (LIKE copies none)
@@ -377,7 +379,8 @@ def _catalog(bare: Bare, table: str) -> list[str]:
 # tables hold them as foreign keys, checked a row at a time.
 KEYS_AS_TRIGGERS = (
     "constraint f FOREIGN KEY (run_id) REFERENCES runs(id) ON DELETE CASCADE",
-    "constraint f FOREIGN KEY (run_id, id) REFERENCES experience_data(run_id, id) ON DELETE CASCADE",
+    "constraint f FOREIGN KEY (run_id, id) REFERENCES experience_data(run_id, id) "
+    "ON DELETE CASCADE",
 )
 
 
@@ -386,7 +389,7 @@ def check_same_shape(bare: Bare, run_id: int) -> str:
     constraints and indexes, and storage parameters; the store's keys that are triggers are
     foreign keys on the bare tables."""
     summary = []
-    for ours, theirs in (("experience_data", BARE_DATA), ("experience_state", BARE_STATE)):
+    for ours, theirs in BARE_OF:
         mine = _catalog(bare, f"{ours}_r{run_id}")
         bares = [line for line in _catalog(bare, theirs) if line not in KEYS_AS_TRIGGERS]
         if mine != bares:

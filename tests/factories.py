@@ -74,10 +74,10 @@ def planned_relations(engine, statement, params: dict) -> set[str]:
 def rows_read(engine, statement, params: dict, table_prefix: str) -> int:
     """The rows the server's scans of the tables named `table_prefix*` read (returned or
     removed by a filter, every loop) when it runs `statement`, in a transaction rolled back."""
-    return _read(_plan(engine, statement, params, ", ANALYZE"), table_prefix)
+    return plan_rows_read(_plan(engine, statement, params, ", ANALYZE"), table_prefix)
 
 
-def _read(plan: dict, table_prefix: str) -> int:
+def plan_rows_read(plan: dict, table_prefix: str) -> int:
     """The rows a plan's scans of the tables named `table_prefix*` read, every loop."""
     def read(node):
         if (node.get("Relation Name") or "").startswith(table_prefix):
@@ -101,11 +101,10 @@ def lease_rows_read(store: Store, run_id: int, unit: str, n: int) -> int:
                      "experience_state")
 
 
-def kept_plan_rows_read(store: Store, prepared, params: dict, table_prefix: str) -> int:
-    """The rows the server's scans of the tables named `table_prefix*` read when `prepared`
-    (a store.prepared.Prepared) runs with the plan a lease's connection keeps: planned once,
-    generically (engine.KEPT_PLANS_SETTINGS), as PREPARE and EXPLAIN EXECUTE show it; in a
-    transaction rolled back."""
+def kept_plan(store: Store, prepared, params: dict) -> dict:
+    """The plan, executed (EXPLAIN ANALYZE) in a transaction rolled back, that `prepared` (a
+    store.prepared.Prepared) runs with on a lease's connection: planned once, generically
+    (engine.KEPT_PLANS_SETTINGS), as PREPARE and EXPLAIN EXECUTE show it."""
     import json
 
     async def explain() -> dict:
@@ -127,4 +126,4 @@ def kept_plan_rows_read(store: Store, prepared, params: dict, table_prefix: str)
                 await transaction.rollback()
                 await driver.execute("DEALLOCATE kept")  # a session's, not the transaction's
 
-    return _read(store._loop.run(explain()), table_prefix)
+    return store._loop.run(explain())

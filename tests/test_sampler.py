@@ -12,7 +12,7 @@ from sqlalchemy import func, select, text, update
 
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
 from reservoir.store.schema import batch_items, experiences, runs, train_steps
-from tests.factories import (fill, kept_plan_rows_read, lease_rows_read, make_group,
+from tests.factories import (fill, kept_plan, lease_rows_read, make_group, plan_rows_read,
                              planned_relations)
 
 
@@ -313,8 +313,8 @@ def test_the_plan_a_lease_keeps_reads_its_rows_not_every_row_of_its_run(store, u
     n = 32 if unit == "rows" else 4  # 32 rows either way
     lease = sampler._prepared_lease(unit, store.flow, False, (run_id,), n)
     params = dict(wanted=n, token=uuid.uuid4(), lease_for=timedelta(seconds=60))
-    read = {table: kept_plan_rows_read(store, lease, params, table)
-            for table in ("experience_data", "experience_state")}
+    plan = kept_plan(store, lease, params)
+    read = {table: plan_rows_read(plan, table) for table in ("experience_data", "experience_state")}
     assert max(read.values()) < 500, f"the kept plan of a lease of 32 rows read {read}"
 
 
@@ -343,7 +343,7 @@ def test_no_execution_of_a_lease_locks_every_run_s_partitions(store):
                 async with driver.transaction():
                     token = uuid.uuid4()
                     [row] = await lease.fetch(conn, dict(
-                        n=1, wanted=1, token=token, lease_for=timedelta(seconds=60)))
+                        wanted=1, token=token, lease_for=timedelta(seconds=60)))
                     held.append(await driver.fetchval(locks))
                 async with driver.transaction():
                     await commit.fetch(conn, dict(
