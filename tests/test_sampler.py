@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -387,3 +388,17 @@ def test_the_keys_each_written_row_checks_reuse_their_plans_and_a_commit_is_dura
     assert [tuple(row) for row in modes] == [(f"batch_items_r{run_id}", "auto", "on", 8),
                                              (f"experience_state_r{run_id}", "auto", "on", 8),
                                              ("train_steps", "auto", "on", 1)]
+
+
+@pytest.mark.parametrize("size", [2.5, 10**20, True, "8", float("inf")])
+def test_a_lease_size_that_is_no_whole_number_in_range_is_one_line_and_leases_nothing(store,
+                                                                                     size):
+    """The size of a lease is written into its SQL (its kept plan is planned for it), so it
+    is checked first: a whole number from 1 to 2**31 - 1. 2.5 was leased as 2 rows, and
+    10**20 and "8" failed inside the driver."""
+    store.create_run("r")
+    fill(store, "r", 4)
+    for unit in ("rows", "groups"):
+        with pytest.raises(StoreError, match=rf"lease needs .*{unit}={re.escape(repr(size))}"):
+            store.lease("r", **{unit: size}, timeout_s=0)
+    assert statuses(store) == {"ready": 16}

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import operator
 import json
+import numbers
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from reservoir.store import codec, runs
 from reservoir.store.flow import RateLimit
 from reservoir.store.notify import NOTIFY_ROWS, AsyncWake, rows_channel
 from reservoir.store.prepared import Prepared
+from reservoir.store.records import INT32_MAX
 from reservoir.store.schema import EXPERIENCE_STATUSES, experience_data as d
 from reservoir.store.schema import experience_state as e
 from reservoir.store.schema import runs as runs_table
@@ -475,6 +477,12 @@ async def _lease_connection(engine: AsyncEngine, flow: SamplerConfig):
         yield conn
 
 
+def _is_count(value) -> bool:
+    """A whole number (not a bool) from 1 to INT32_MAX."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and 1 <= value <= INT32_MAX)
+
+
 async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None = None,
                 groups: int | None = None, flow: SamplerConfig,
                 min_policy_version: int | None = None, allow_partial: bool = False,
@@ -484,12 +492,14 @@ async def lease(engine: AsyncEngine, run_ids: Sequence[int], *, rows: int | None
     Waits while fewer than min_ready rows are ready before the first lease, while the trainer is
     ahead of samples_per_insert, and (unless allow_partial) until the full batch is available.
     """
-    if (rows is None) == (groups is None) or (rows or groups or 0) < 1:
-        raise StoreError(f"lease needs exactly one of rows or groups >= 1 (got rows={rows}, "
-                         f"groups={groups})")
-    if flow.samples_per_insert is not None and rows is not None:
-        RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready).check_sample_size(rows)
     unit, wanted = ("rows", rows) if rows is not None else ("groups", groups)
+    if (rows is None) == (groups is None) or not _is_count(wanted):
+        raise StoreError(f"lease needs exactly one of rows or groups, a whole number from 1 to "
+                         f"{INT32_MAX} (got rows={rows!r}, groups={groups!r})")
+    wanted = int(wanted)  # written into the lease's SQL
+    if flow.samples_per_insert is not None and rows is not None:
+        limit = RateLimit(flow.samples_per_insert, flow.spi_tolerance, flow.min_ready)
+        limit.check_sample_size(wanted)
     timeout = flow.wait_timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout
     async with contextlib.AsyncExitStack() as waiting:
