@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg2
 from sqlalchemy import text
 
 from reservoir.store.engine import sync_engine
@@ -39,6 +40,20 @@ def scalar(url: str, sql: str):
             return conn.execute(text(sql)).scalar()
     finally:
         engine.dispose()
+
+
+def execute(url: str, *statements: str) -> list[tuple]:
+    """Run statements in autocommit (psycopg2: what a test sets up, often as the server's
+    superuser); the rows of the last one, if it returns rows."""
+    conn = psycopg2.connect(url)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+            return cur.fetchall() if cur.description else []
+    finally:
+        conn.close()
 
 
 def key_values(out: str) -> dict[str, str]:

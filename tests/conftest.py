@@ -2,7 +2,9 @@
 fresh copy of it per test (CREATE DATABASE ... TEMPLATE), as procrastinate does.
 
 By default the embedded server (started in a temporary directory for the session);
-RESERVOIR_TEST_DB_URL selects a server, e.g. postgresql://postgres@127.0.0.1:5432/test.
+RESERVOIR_TEST_DB_URL selects a server, e.g. postgresql://postgres@127.0.0.1:5432/test. Either
+way the tests meet the store as a deployment does: the superuser (`admin_url`) only makes the
+roles and the databases, and every database URL a test gets logs in as reservoir_owner.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import psycopg2
 import pytest
 from sqlalchemy.engine import make_url
 
 from reservoir.config import SamplerConfig
-from reservoir.store import Store, migrate, server
+from reservoir.store import Store, migrate, roles, server, urls
 from reservoir.store.engine import sync_engine
-from tests.commands import reservoir
+from tests.commands import execute, reservoir
 
 TEST_URL_ENV = "RESERVOIR_TEST_DB_URL"
 
@@ -29,16 +30,22 @@ def _database_url(admin_url: str, database: str) -> str:
     return make_url(admin_url).set(database=database).render_as_string(hide_password=False)
 
 
-def _admin(admin_url: str, *statements: str) -> None:
-    conn = psycopg2.connect(make_url(admin_url).set(drivername="postgresql")
-                            .render_as_string(hide_password=False))
-    conn.autocommit = True
+def owner_url(admin_url: str, database: str) -> str:
+    """The owner's login to a database of the test server."""
+    return urls.with_user(_database_url(admin_url, database), urls.OWNER_ROLE)
+
+
+@pytest.fixture
+def embedded_dir():
+    """A data directory of its own for an embedded server, stopped and removed afterwards;
+    outside pytest's basetemp: as root the server runs as user pgserver, which loses access
+    when another pytest session resets that folder to mode 0700."""
+    root = Path(tempfile.mkdtemp(prefix="reservoir-embedded-"))
     try:
-        with conn.cursor() as cur:
-            for statement in statements:
-                cur.execute(statement)
+        yield root / "pg"
     finally:
-        conn.close()
+        server.stop(root / "pg")
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +61,8 @@ def admin_url():
         return
     root = Path(tempfile.mkdtemp(prefix="reservoir-test-pg-"))
     try:
-        yield _database_url(server.start(root / "pg"), "postgres")
+        server.start(root / "pg")
+        yield server.admin_url(root / "pg")
     finally:
         server.stop(root / "pg")
         shutil.rmtree(root, ignore_errors=True)
@@ -63,31 +71,43 @@ def admin_url():
 @pytest.fixture(scope="session")
 def template_db(admin_url):
     name = f"reservoir_tpl_{uuid.uuid4().hex[:8]}"
-    _admin(admin_url, f'CREATE DATABASE "{name}"')
-    engine = sync_engine(_database_url(admin_url, name))
+    execute(admin_url, f'CREATE DATABASE "{name}"')
+    roles.bootstrap(_database_url(admin_url, name))
+    engine = sync_engine(owner_url(admin_url, name))
     migrate.upgrade(engine)
     engine.dispose()
     yield name
-    _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    execute(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
 def new_database(admin_url):
-    """A factory of empty or template-copied databases, dropped after the test."""
+    """A factory of empty or template-copied databases, dropped after the test: the owner's
+    URL of each."""
     created: list[str] = []
 
     def make(template: str | None = None) -> str:
         name = f"reservoir_t_{uuid.uuid4().hex[:10]}"
-        suffix = f' TEMPLATE "{template}"' if template else ""
-        _admin(admin_url, f'CREATE DATABASE "{name}"{suffix}')
-        if template:  # a copy does not inherit the database privileges migration 0006 set
-            _admin(admin_url, f'REVOKE TEMPORARY ON DATABASE "{name}" FROM PUBLIC')
         created.append(name)
-        return _database_url(admin_url, name)
+        if not template:
+            execute(admin_url, f'CREATE DATABASE "{name}"')
+            roles.bootstrap(_database_url(admin_url, name))
+            return owner_url(admin_url, name)
+        # A copy keeps the template's objects and their rights, not the database's own.
+        execute(admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{template}"',
+               f'REVOKE TEMPORARY ON DATABASE "{name}" FROM PUBLIC',
+               f'GRANT CONNECT, CREATE ON DATABASE "{name}" TO {urls.OWNER_ROLE}')
+        return owner_url(admin_url, name)
 
     yield make
     for name in created:
-        _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        execute(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def as_admin(admin_url):
+    """The superuser's login to the database of a test's URL (for what no owner may do)."""
+    return lambda url: _database_url(admin_url, make_url(url).database)
 
 
 @pytest.fixture

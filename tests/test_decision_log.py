@@ -80,7 +80,7 @@ def test_shaping_keeps_the_raw_reward_and_the_trainer_uses_the_shaped_one(graded
         ("reward_shaping_mapper", {"before": None, "after": pytest.approx(0.1)}),
         ("length_penalty_mapper", {"before": pytest.approx(0.1), "after": pytest.approx(0.06)})]
     view = run_sql(graded.url, "SELECT reward, shaped_reward FROM analytics.experiences "
-                               "WHERE experience_id = 1", as_reader=True)
+                               "WHERE experience_id = 1")
     assert view.rows == [(pytest.approx(0.1), pytest.approx(0.06))]
     lease = graded.lease("d", groups=1)
     batch = make_batch(lease.rows, pad_id=0)

@@ -11,7 +11,8 @@ import pytest
 from reservoir.errors import StoreError
 from reservoir.store.inspect import run_sql
 from reservoir.store.tasks import add_tasks
-from tests.commands import RESERVOIR
+from reservoir.store.urls import READER_ROLE, with_user
+from tests.commands import RESERVOIR, execute, scalar
 from tests.factories import fill
 
 BASE_TABLES = ["runs", "tasks", "experiences", "policy_versions", "train_steps", "batch_items",
@@ -39,8 +40,10 @@ def trained(store):
     return store
 
 
-def as_reader(store, sql: str, **kwargs):
-    return run_sql(store.url, sql, as_reader=True, **kwargs)
+def as_reader(store, sql: str, *, write: bool = False):
+    """Reads go to the reader by themselves; with `write`, the reader's own login is the
+    store's URL (the store's owner is the one that writes)."""
+    return run_sql(with_user(store.url, READER_ROLE) if write else store.url, sql, write=write)
 
 
 @pytest.mark.parametrize("view", VIEWS)
@@ -74,18 +77,21 @@ def test_reader_cannot_select_base_tables(trained, table):
 def test_reader_cannot_write_base_tables(trained, statement):
     with pytest.raises(StoreError, match="permission denied"):
         as_reader(trained, statement, write=True)
-    counts = "SELECT (SELECT count(*) FROM runs), (SELECT count(*) FROM batch_items)"
-    assert run_sql(trained.url, counts).rows == [(1, 4)]
+    counts = "SELECT ARRAY[(SELECT count(*) FROM runs), (SELECT count(*) FROM batch_items)]"
+    assert scalar(trained.url, counts) == [1, 4]
 
 
-def test_run_sql_is_read_only_unless_write(trained):
+def test_run_sql_reads_as_the_reader_and_writes_as_the_owner(trained):
     with pytest.raises(StoreError, match="not a query"):
         run_sql(trained.url, "DELETE FROM batch_items")
     with pytest.raises(StoreError, match="read-only transaction"):
         run_sql(trained.url, "WITH gone AS (DELETE FROM batch_items RETURNING 1) SELECT 1")
-    assert run_sql(trained.url, "SELECT count(*) FROM batch_items").rows == [(4,)]
+    with pytest.raises(StoreError, match="permission denied"):
+        run_sql(trained.url, "SELECT count(*) FROM batch_items")
+    assert run_sql(trained.url, "SELECT current_user").rows == [(READER_ROLE,)]
+    assert run_sql(trained.url, "SELECT count(*) FROM batch_items", write=True).rows == [(4,)]
     assert run_sql(trained.url, "DELETE FROM batch_items", write=True).rowcount == 4
-    assert run_sql(trained.url, "SELECT count(*) FROM batch_items").rows == [(0,)]
+    assert scalar(trained.url, "SELECT count(*) FROM batch_items") == 0
 
 
 def test_the_scram_verifier_is_the_one_libpq_computes(store):
@@ -105,38 +111,39 @@ def test_the_scram_verifier_is_the_one_libpq_computes(store):
     assert ours == libpq
 
 
-def test_reader_password_sets_a_scram_verifier(cli, monkeypatch):
-    """Issue 8 review: the command failed (text() read ':ServerKey' as a parameter)."""
-    out = subprocess.run([str(RESERVOIR), "db", "reader-password"], capture_output=True,
-                         text=True, env={**os.environ, "RESERVOIR_DB_URL": cli.url,
-                                         "RESERVOIR_READER_PASSWORD": "a:b'c"}, timeout=120)
+def test_reader_password_sets_a_scram_verifier(cli, as_admin):
+    """Issue 8 review: the command failed (text() read ':ServerKey' as a parameter). Only a
+    superuser may set it: the owner is told so in one line."""
+    def set_password(url):
+        return subprocess.run([str(RESERVOIR), "db", "password", "reader"], capture_output=True,
+                              text=True, env={**os.environ, "RESERVOIR_DB_URL": url,
+                                              "RESERVOIR_READER_PASSWORD": "a:b'c"}, timeout=120)
+
+    refused = set_password(cli.url)
+    assert refused.returncode == 1 and "superuser" in refused.stderr, refused.stderr
+    out = set_password(as_admin(cli.url))
     assert out.returncode == 0, out.stderr
     assert "a:b'c" not in out.stdout + out.stderr
-    stored = run_sql(cli.url, "SELECT rolpassword FROM pg_authid "
-                              "WHERE rolname = 'reservoir_reader'").rows[0][0]
+    admin = as_admin(cli.url)
+    stored = scalar(admin, "SELECT rolpassword FROM pg_authid WHERE rolname = 'reservoir_reader'")
     assert stored.startswith("SCRAM-SHA-256$4096:")
-    run_sql(cli.url, "ALTER ROLE reservoir_reader PASSWORD NULL", write=True)
+    execute(admin, "ALTER ROLE reservoir_reader PASSWORD NULL")
 
 
-def test_upgrade_stops_when_the_reader_could_still_write(new_database, template_db):
+def test_upgrade_stops_when_the_reader_could_still_write(new_database, template_db, as_admin):
     """A role that does not own lo_from_bytea cannot revoke it from PUBLIC (PostgreSQL only
     warns): migration 0006 checks what the reader can do and stops with the fix."""
-    from sqlalchemy import text
-
     from reservoir.store import migrate
     from reservoir.store.engine import sync_engine
 
-    engine = sync_engine(new_database(template_db))
+    url = new_database(template_db)
+    engine, grant = sync_engine(url), "EXECUTE ON FUNCTION lo_from_bytea(oid, bytea)"
     migrate.downgrade(engine, "0005")
-    with engine.begin() as conn:
-        conn.execute(text("GRANT EXECUTE ON FUNCTION lo_from_bytea(oid, bytea) "
-                          "TO reservoir_reader"))
+    execute(as_admin(url), f"GRANT {grant} TO reservoir_reader")
     with pytest.raises(Exception, match="reservoir_reader could still write.*superuser run once"):
         migrate.upgrade(engine)
     assert migrate.current_revision(engine) == "0005"
-    with engine.begin() as conn:
-        conn.execute(text("REVOKE EXECUTE ON FUNCTION lo_from_bytea(oid, bytea) "
-                          "FROM reservoir_reader"))
+    execute(as_admin(url), f"REVOKE {grant} FROM reservoir_reader")
     migrate.upgrade(engine)
     assert migrate.current_revision(engine) == migrate.head_revision()
     engine.dispose()

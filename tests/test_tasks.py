@@ -86,7 +86,7 @@ def test_cli_load_is_all_or_nothing(tmp_path, db_url):
     done = subprocess.run([script, "tasks", "load", str(good), "--run", "r"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "loaded 30 tasks" in done.stdout
-    count = subprocess.run([script, "sql", "SELECT count(*) FROM tasks", "-f", "csv"], env=env,
+    count = subprocess.run([script, "sql", "SELECT count(*) FROM analytics.tasks", "-f", "csv"], env=env,
                            capture_output=True, text=True, timeout=120)
     assert count.stdout.splitlines()[1] == "30"
 

@@ -13,6 +13,7 @@ from reservoir.errors import ExperienceInvalid, StoreError
 from reservoir.store import Experience, codec
 from reservoir.store.records import INT32_MAX
 from reservoir.store.tasks import add_tasks
+from tests.commands import execute
 from tests.factories import make_group, planned_relations
 
 
@@ -350,15 +351,17 @@ def test_database_failure_is_a_store_error(seeded):
         seeded.write_groups([make_group("r", seed=2, task_id=999_999)])
 
 
-def test_a_connection_the_server_ends_mid_write_is_one_line_and_writes_nothing(seeded):
-    """The server ends the writer's connection inside its transaction (here the backend ends
-    itself before the COPYs): one line that says the connection was lost, nothing written,
+def test_a_connection_the_server_ends_mid_write_is_one_line_and_writes_nothing(seeded,
+                                                                               as_admin):
+    """The server ends the writer's connection inside its transaction (here the superuser
+    ends it before the COPYs): one line that says the connection was lost, nothing written,
     and the next write gets a new connection. The message used to be SQLAlchemy's error about
     the rollback that could not run, over two lines."""
     from sqlalchemy import text as sql
 
     async def end_own_backend(conn) -> None:
-        await conn.execute(sql("SELECT pg_terminate_backend(pg_backend_pid())"))
+        pid = (await conn.execute(sql("SELECT pg_backend_pid()"))).scalar()
+        execute(as_admin(seeded.url), f"SELECT pg_terminate_backend({pid})")
 
     before = counts(seeded)
     with pytest.raises(StoreError) as info:
@@ -430,7 +433,7 @@ def test_a_parent_names_an_experience_and_its_run(seeded):
     assert rows == [(parent_id, parent_run, child_run)] * 4 and parent_run != child_run
 
 
-def test_a_write_cancelled_in_its_lookup_is_one_line_and_writes_nothing(seeded):
+def test_a_write_cancelled_in_its_lookup_is_one_line_and_writes_nothing(seeded, as_admin):
     """A write whose first statement (the runs, group ids and new ids it looks up) fails in the
     database: one StoreError line, nothing written. It used to raise UnboundLocalError: the
     message counted the admitted groups, which the lookup had not yet made."""
@@ -444,7 +447,7 @@ def test_a_write_cancelled_in_its_lookup_is_one_line_and_writes_nothing(seeded):
                     "SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
                     "WHERE NOT l.granted AND a.query LIKE '%experience_groups%'")).scalars().all()
                 if pids:
-                    conn.execute(text("SELECT pg_cancel_backend(:pid)"), {"pid": pids[0]})
+                    execute(as_admin(seeded.url), f"SELECT pg_cancel_backend({int(pids[0])})")
                     return
                 time.sleep(0.02)
 

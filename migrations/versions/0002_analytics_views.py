@@ -160,6 +160,8 @@ BEGIN
   DROP ROLE IF EXISTS reservoir_reader;
 EXCEPTION WHEN dependent_objects_still_exist THEN
   RAISE NOTICE 'reservoir_reader kept: another database grants it privileges';
+WHEN insufficient_privilege THEN
+  RAISE NOTICE 'reservoir_reader kept: the superuser made it, and only a superuser drops it';
 END
 $$;
 """

@@ -32,11 +32,22 @@ depends_on = None
 LARGE_OBJECT_CREATORS = "lo_create(oid), lo_creat(integer), lo_from_bytea(oid, bytea)"
 PASSWORD_IN_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):[^@\s/]*@")
 
+# A reader that `reservoir.store.roles.bootstrap` made (the superuser, before this owner's
+# first upgrade) is in this shape already: then nothing here needs CREATEROLE.
 UPGRADE = f"""
-ALTER ROLE reservoir_reader WITH LOGIN NOINHERIT CONNECTION LIMIT 32;
-ALTER ROLE reservoir_reader SET default_transaction_read_only = on;
-ALTER ROLE reservoir_reader SET statement_timeout = '30s';
-ALTER ROLE reservoir_reader SET idle_in_transaction_session_timeout = '60s';
+DO $$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'reservoir_reader' AND rolcanlogin
+                 AND NOT rolinherit AND rolconnlimit = 32)
+     OR NOT coalesce((SELECT setconfig @> ARRAY['default_transaction_read_only=on',
+                             'statement_timeout=30s', 'idle_in_transaction_session_timeout=60s']
+                      FROM pg_db_role_setting WHERE setdatabase = 0
+                      AND setrole = 'reservoir_reader'::regrole), false) THEN
+    ALTER ROLE reservoir_reader WITH LOGIN NOINHERIT CONNECTION LIMIT 32;
+    ALTER ROLE reservoir_reader SET default_transaction_read_only = on;
+    ALTER ROLE reservoir_reader SET statement_timeout = '30s';
+    ALTER ROLE reservoir_reader SET idle_in_transaction_session_timeout = '60s';
+  END IF;
+END $$;
 DO $$ BEGIN  -- each only while the reader has it: a role without it may not revoke it at all
   IF has_database_privilege('reservoir_reader', current_database(), 'TEMPORARY') THEN
     EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
@@ -45,7 +56,10 @@ DO $$ BEGIN  -- each only while the reader has it: a role without it may not rev
     REVOKE CREATE ON SCHEMA public FROM PUBLIC;
   END IF;
   IF has_function_privilege('reservoir_reader', 'lo_from_bytea(oid, bytea)', 'EXECUTE') THEN
-    REVOKE EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} FROM PUBLIC;
+    BEGIN  -- a role with no right on them is refused outright: CHECK below says what to do
+      REVOKE EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} FROM PUBLIC;
+    EXCEPTION WHEN insufficient_privilege THEN NULL;
+    END;
   END IF;
 END $$;
 """
@@ -69,13 +83,18 @@ END $$;
 # The role is the cluster's, shared by every Reservoir database on the server: downgrading one
 # database gives back this database's privileges and leaves the login as it is (revision 0002's
 # downgrade drops the role once no database uses it).
+# What this role may give back: the superuser's own revokes (`roles.bootstrap`) stay.
 DOWNGRADE = f"""
-GRANT EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} TO PUBLIC;
+DO $$ BEGIN
+  GRANT EXECUTE ON FUNCTION {LARGE_OBJECT_CREATORS} TO PUBLIC;
+EXCEPTION WHEN insufficient_privilege THEN NULL;
+END $$;
 DO $$ BEGIN
   EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO PUBLIC', current_database());
   IF current_setting('server_version_num')::int < 150000 THEN
     GRANT CREATE ON SCHEMA public TO PUBLIC;
   END IF;
+EXCEPTION WHEN insufficient_privilege THEN NULL;
 END $$;
 """
 

@@ -52,10 +52,8 @@ def main() -> None:
 def sql(statement: str = typer.Argument(..., help="One SQL statement; :name binds a --param."),
         fmt: str = typer.Option("table", "--format", "-f", help="table, csv or json."),
         param: list[str] = typer.Option([], "--param", "-p", help="name=value, bound as :name."),
-        write: bool = typer.Option(False, help="Allow writes (default: a read-only transaction, "
-                                               "rolled back)."),
-        as_reader: bool = typer.Option(False, "--as-reader",
-                                       help="Log in as reservoir_reader (the views only)."),
+        write: bool = typer.Option(False, help="Run as the store's owner and allow writes "
+                                               "(default: as the reader, read-only)."),
         timeout: Optional[float] = typer.Option(None, help="Statement timeout in seconds "
                                                            "(default: store.query_timeout_s)."),
         wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
@@ -69,7 +67,7 @@ def sql(statement: str = typer.Argument(..., help="One SQL statement; :name bind
         raise ReservoirError(f"--timeout {timeout}: give seconds in (0, 86400]")
     where = target(config)
     result = run_sql(where.url, statement, params=_params(param), write=write,
-                     as_reader=as_reader, reader_url=where.reader_url,
+                     reader_url=where.reader_url,
                      timeout_s=timeout or where.timeout_s)
     if not result.columns:
         console.print(result.status, highlight=False)
@@ -96,7 +94,8 @@ def inspect_run(name: str, steps: int = typer.Option(10, min=1, max=10_000,
     from reservoir.store.inspect import run_summary
 
     where = target(config)
-    summary, recent = run_summary(where.url, name, last_steps=steps, timeout_s=where.timeout_s)
+    summary, recent = run_summary(where.url, name, last_steps=steps,
+                                  reader_url=where.reader_url, timeout_s=where.timeout_s)
     print_record(console, dict(zip(summary.columns, summary.rows[0])), title=f"run {name}",
                  wide=wide, skip=("config",))
     print_table(console, recent.columns, recent.rows, title="recent train steps", wide=wide)
@@ -110,7 +109,8 @@ def inspect_experience(experience_id: int, wide: bool = WideOption,
     from reservoir.store.inspect import experience_detail
 
     where = target(config)
-    row, lineage = experience_detail(where.url, experience_id, timeout_s=where.timeout_s)
+    row, lineage = experience_detail(where.url, experience_id, reader_url=where.reader_url,
+                                     timeout_s=where.timeout_s)
     print_record(console, dict(zip(row.columns, row.rows[0])),
                  title=f"experience {experience_id}", wide=wide)
     print_table(console, lineage.columns, lineage.rows, title="lineage", wide=wide)

@@ -7,7 +7,6 @@ commands that need them, so `reservoir --help` and `reservoir sql` start quickly
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ def target(path: Optional[Path]) -> Target:
     from reservoir.store import server, urls
 
     if path is None:
-        url = os.environ.get(urls.DB_URL_ENV) or server.start(Path(urls.DEFAULT_DATA_DIR))
+        url = urls.from_env() or server.start(Path(urls.DEFAULT_DATA_DIR))
         return Target(url, None, 30.0)
     store = _config(path).store
     return Target(store.resolved_url() or server.start(store.data_dir), store.reader_url,
@@ -73,8 +72,8 @@ def external_error(exc: BaseException) -> str | None:
     module = type(exc).__module__.split(".")[0]
     if module in ("sqlalchemy", "psycopg2", "asyncpg") or isinstance(exc, ConnectionError):
         original = getattr(exc, "orig", None) or exc
-        from reservoir.store.urls import redact
+        from reservoir.store.urls import redact_text
 
         text = str(original).strip().splitlines()
-        return redact(f"the database: {text[0] if text else type(original).__name__}")
+        return redact_text(f"the database: {text[0] if text else type(original).__name__}")
     return None

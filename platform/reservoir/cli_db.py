@@ -1,4 +1,4 @@
-"""`reservoir db`: the store's schema, the embedded server, and the reader's password."""
+"""`reservoir db`: the store's schema, the embedded server, and its logins' passwords."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.table import Table
 from reservoir.cli_common import ConfigOption, _config, console
 from reservoir.errors import ReservoirError
 
-db_app = typer.Typer(help="The experience store's database: schema, embedded server, reader.",
+db_app = typer.Typer(help="The experience store's database: schema, embedded server, logins.",
                      no_args_is_help=True)
 
 
@@ -72,14 +72,12 @@ def db_status(config: Optional[Path] = ConfigOption) -> None:
 
 
 @db_app.command("url")
-def db_url(config: Optional[Path] = ConfigOption,
-           show_password: bool = typer.Option(False, help="Print the password too.")) -> None:
-    """Print the store's URL (starting the embedded server if needed)."""
+def db_url(config: Optional[Path] = ConfigOption) -> None:
+    """Print the store's URL, its password as *** (starting the embedded server if needed)."""
     from reservoir.cli_common import target
     from reservoir.store.urls import redact
 
-    url = target(config).url
-    print(url if show_password else redact(url))
+    print(redact(target(config).url))
 
 
 @db_app.command("start")
@@ -105,19 +103,41 @@ def db_stop(config: Optional[Path] = ConfigOption) -> None:
                   + ("stopped" if stopped else "was not running"), highlight=False)
 
 
-@db_app.command("reader-password")
-def db_reader_password(
-        from_env: str = typer.Option("RESERVOIR_READER_PASSWORD", help="Environment variable "
-                                     "holding the new password (it is never printed or stored)."),
+@db_app.command("password")
+def db_password(
+        role: str = typer.Argument(..., help="owner (reservoir_owner) or reader "
+                                   "(reservoir_reader)."),
+        from_env: Optional[str] = typer.Option(None, help="Environment variable holding the new "
+                                               "password (it is never printed or stored); "
+                                               "default RESERVOIR_OWNER_PASSWORD or "
+                                               "RESERVOIR_READER_PASSWORD."),
         config: Optional[Path] = ConfigOption) -> None:
-    """Set the reservoir_reader login's password (sent as a SCRAM verifier, not in clear)."""
-    from reservoir.store.roles import set_reader_password
+    """Set the password of Reservoir's owner or reader login (sent as a SCRAM verifier, not in
+    clear); only a superuser may: the embedded server's, or a configured URL's login."""
+    from reservoir.store import roles, server, urls
 
+    logins = {"owner": (urls.OWNER_ROLE, urls.OWNER_PASSWORD_ENV),
+              "reader": (urls.READER_ROLE, urls.READER_PASSWORD_ENV)}
+    if role not in logins:
+        raise ReservoirError(f"db password {role!r}: choose owner or reader")
+    name, default_env = logins[role]
+    from_env = from_env or default_env
     password = os.environ.get(from_env)
     if not password:
         raise ReservoirError(f"--from-env {from_env}: the variable is unset or empty; put the "
                              "password there (e.g. read -s)")
-    _, engine = _engine(config)
-    set_reader_password(engine, password)
-    console.print("reservoir_reader's password is set (readers set RESERVOIR_READER_PASSWORD)",
-                  highlight=False)
+    store = _config(config).store
+    url = store.resolved_url()
+    if url is None:
+        server.start(store.data_dir)
+        url = server.admin_url(store.data_dir)
+    conn = roles.connect(url)
+    try:
+        if not roles.is_superuser(conn):
+            raise ReservoirError(f"{urls.redact(url)} logs in as {urls.user_of(url)}, no "
+                                 f"superuser: only a superuser sets {name}'s password (run "
+                                 "this with RESERVOIR_DB_URL set to a superuser's URL)")
+        roles.set_password(conn, name, password)
+    finally:
+        conn.close()
+    console.print(f"{name}'s password is set (its users set {default_env})", highlight=False)

@@ -14,13 +14,12 @@ import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       ValidationError, model_validator)
 
 from reservoir.errors import ConfigError
-from reservoir.store.urls import DB_URL_ENV, DEFAULT_DATA_DIR, redact
+from reservoir.store.urls import DEFAULT_DATA_DIR, UrlError, canonical, from_env, redact_text
 from reservoir.yamlfile import line_of, read_yaml
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -43,11 +42,11 @@ def _not_bool(value):
 
 
 def _database_url(value: str | None) -> str | None:
-    if value is not None:
-        parts = urlsplit(value)
-        if not parts.scheme.startswith("postgres") or "\x00" in value:
-            raise ValueError("a PostgreSQL URL, e.g. postgresql://user@host:5432/database")
-    return value
+    """The URL as libpq reads it, written so that every driver reads it alike."""
+    try:
+        return None if value is None else canonical(value)
+    except UrlError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _branch(value: str | None) -> str | None:
@@ -179,8 +178,9 @@ class StoreConfig(Section):
     )
     reader_url: DatabaseUrl = Field(
         default=None,
-        description="Login of `--as-reader` queries. Unset: RESERVOIR_READER_URL, else the "
-        "store's server as reservoir_reader with RESERVOIR_READER_PASSWORD.",
+        description="Login people read as (`reservoir sql`, `inspect`). Unset: "
+        "RESERVOIR_READER_URL, else the store's server as reservoir_reader with "
+        "RESERVOIR_READER_PASSWORD.",
     )
     query_timeout_s: Number = number(
         30.0, gt=0, le=DAY,
@@ -194,7 +194,7 @@ class StoreConfig(Section):
 
     def resolved_url(self) -> str | None:
         """The server URL from config or environment; None selects the embedded server."""
-        return self.url or os.environ.get(DB_URL_ENV) or None
+        return self.url or from_env()
 
 
 class SamplerConfig(Section):
@@ -588,7 +588,7 @@ def describe_errors(exc: ValidationError, source: str, model: type[BaseModel],
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown key" + suggest_key(model, loc)
-        shown = redact(repr(err.get("input")))
+        shown = redact_text(repr(err.get("input")))
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         where = f"{key} (line {line})" if line else key
         problems.append(f"{where}: {message} (got {shown})")

@@ -34,9 +34,9 @@ async def connect(url: str, *, check_schema: bool = True) -> AsyncIterator:
         hint = ""
         if user == urls.READER_ROLE:
             hint = (f" (the reader logs in as itself: set {urls.READER_PASSWORD_ENV} or "
-                    f"{urls.READER_URL_ENV}; `reservoir db upgrade` makes it a login role)")
+                    f"{urls.READER_URL_ENV}; `reservoir db password reader` sets its password)")
         raise StoreError(f"cannot connect to {urls.redact(url)} as {user or 'the default user'}:"
-                         f" {describe(exc)}{hint}") from None
+                         f" {urls.redact_text(describe(exc))}{hint}") from None
     try:
         for name in ("json", "jsonb"):
             await conn.set_type_codec(name, schema="pg_catalog", encoder=_json_text,

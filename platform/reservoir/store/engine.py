@@ -9,35 +9,28 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.exc import ArgumentError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from reservoir.config import StoreConfig
 from reservoir.errors import StoreError
-from reservoir.store import server
+from reservoir.store import roles, server, urls
 
 
 def resolve_url(config: StoreConfig) -> str:
-    """The configured server URL, or the embedded server's (started if needed)."""
-    return config.resolved_url() or server.start(config.data_dir)
+    """The URL Reservoir works as: the embedded server's owner (started if needed), or the
+    configured server's login (its owner's when that login is a superuser, see
+    `roles.working_url`)."""
+    configured = config.resolved_url()
+    return roles.working_url(configured) if configured else server.start(config.data_dir)
 
 
 def _with_driver(url: str, driver: str) -> URL:
     try:
-        parsed = make_url(url)
-    except Exception as exc:
-        raise StoreError(f"store.url {redact(url)!r} is not a database URL: {exc}") from None
-    if parsed.get_backend_name() != "postgresql":
-        raise StoreError(f"store.url {redact(url)!r}: Reservoir needs PostgreSQL")
+        parsed = make_url(urls.canonical(url))
+    except (urls.UrlError, ArgumentError) as exc:
+        raise StoreError(f"store.url {urls.redact(url)}: {exc}") from None
     return parsed.set(drivername=f"postgresql+{driver}")
-
-
-def redact(url: str) -> str:
-    """The URL with its password hidden: safe to log or print."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "<unparseable url>"
 
 
 def sync_engine(url: str, **kwargs) -> Engine:

@@ -1,8 +1,9 @@
 """What a person reads: ad-hoc SQL (read-only unless asked), a run's summary, one row's lineage.
 
 Everything here runs on a connection of its own through `usersql` (one statement, bound
-values, a READ ONLY transaction that is rolled back), as the store's user or, with
-`as_reader`, logged in as reservoir_reader. It imports no SQLAlchemy, so it answers quickly.
+values, a READ ONLY transaction that is rolled back). People read as themselves: logged in as
+reservoir_reader (or store.reader_url), never as the login the workers use; only `write`
+runs as the store's owner. It imports no SQLAlchemy, so it answers quickly.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from reservoir.store.usersql import Result
 
 
 def run_sql(url: str, sql: str, *, params: dict[str, Any] | None = None, write: bool = False,
-            as_reader: bool = False, reader_url: str | None = None,
+            reader_url: str | None = None,
             timeout_s: float = usersql.DEFAULT_TIMEOUT_S) -> Result:
-    """Run one statement; read-only unless `write`; as reservoir_reader when `as_reader`."""
-    target = urls.reader_url(url, reader_url) if as_reader else url
+    """Run one statement: read-only as the reader, or with `write` as the store's owner."""
+    from reservoir.store import roles
+
+    target = roles.working_url(url) if write else urls.reader_url(url, reader_url)
     return asyncio.run(_queries(target, [(sql, params or {})], write=write,
                                 timeout_s=timeout_s))[0]
 
@@ -55,9 +58,9 @@ DEMO_TRAINED = ("SELECT min(experience_id) FROM analytics.lineage WHERE run = :r
                 "AND step IS NOT NULL")
 
 
-def run_summary(url: str, run: str, *, last_steps: int = 10,
+def run_summary(url: str, run: str, *, last_steps: int = 10, reader_url: str | None = None,
                 timeout_s: float = usersql.DEFAULT_TIMEOUT_S) -> tuple[Result, Result]:
-    summary, steps = asyncio.run(_queries(url, [(RUN_SUMMARY, {"run": run}),
+    summary, steps = asyncio.run(_queries(urls.reader_url(url, reader_url), [(RUN_SUMMARY, {"run": run}),
                                                 (RECENT_STEPS, {"run": run, "n": last_steps})],
                                           timeout_s=timeout_s))
     if not summary.rows:
@@ -66,9 +69,9 @@ def run_summary(url: str, run: str, *, last_steps: int = 10,
     return summary, steps
 
 
-def experience_detail(url: str, experience_id: int,
+def experience_detail(url: str, experience_id: int, *, reader_url: str | None = None,
                       timeout_s: float = usersql.DEFAULT_TIMEOUT_S) -> tuple[Result, Result]:
-    row, lineage = asyncio.run(_queries(url, [(EXPERIENCE, {"id": experience_id}),
+    row, lineage = asyncio.run(_queries(urls.reader_url(url, reader_url), [(EXPERIENCE, {"id": experience_id}),
                                               (LINEAGE, {"id": experience_id})],
                                         timeout_s=timeout_s))
     if not row.rows:

@@ -32,6 +32,9 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def upgrade(engine: Engine, target: str = "head") -> None:
+    """Upgrade to `target`; a database at head already is left alone (no lock is taken)."""
+    if target == "head" and current_revision(engine) == head_revision():
+        return
     _run(engine, command.upgrade, target)
 
 

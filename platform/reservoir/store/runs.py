@@ -10,38 +10,31 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
 
 from reservoir.errors import StoreError
-from reservoir.store import partitions
+from reservoir.store import locks, partitions
 from reservoir.store.notify import ROWS_CHANNEL
 from reservoir.store.schema import experiences, policy_versions, runs, train_steps
 from reservoir.store.urls import scrub
-
-
-# Creators of runs take turns, before their INSERT. A new run's row attaches its partitions,
-# whose keys to `runs` lock it against writes; an INSERT of the same name that already holds
-# its write lock on `runs` while it waits for the first one's row closed a deadlock.
-ONE_CREATOR = text("SELECT pg_advisory_xact_lock(hashtext('reservoir: run creation'))")
 
 
 def insert_run(conn: Connection, name: str, *, group_size: int | None = None,
                model: str | None = None, config: dict[str, Any] | None = None) -> int | None:
     """Insert a run and return its id; None if a run of that name exists (a concurrent insert
     of the same name waits for the first to commit, then gets None). Passwords in URLs inside
-    the config are removed: the reader can read runs.config. Call it first in a transaction:
-    the turn it takes must not wait while the transaction holds locks."""
+    the config are removed: the reader can read runs.config. Its partitions are attached,
+    which waits for no reader (ATTACH takes SHARE UPDATE EXCLUSIVE on the parents) and at most
+    10 s for a session with rights on the experience or ledger tables."""
     stmt = (pg_insert(runs).values(name=name, group_size=group_size, model=model,
                                    config=scrub(config or {}))
             .on_conflict_do_nothing(index_elements=["name"]).returning(runs.c.id))
     try:
-        conn.execute(ONE_CREATOR)
         return conn.execute(stmt).scalar()
     except OperationalError as exc:
         if getattr(exc.orig, "pgcode", None) != "55P03":  # lock_not_available
             raise
-        raise StoreError(
-            f"run {name!r} was not created: attaching its partitions waited 10 s for a "
-            "transaction that holds the experience or ledger tables (SELECT pid, xact_start, "
-            "query FROM pg_stat_activity ORDER BY xact_start shows it); try again when it "
-            "ends") from None
+        held = locks.holders(conn.engine, tables=partitions.PARENTS)
+        raise StoreError(f"run {name!r} was not created: attaching its partitions waited 10 s "
+                         f"for the experience and ledger tables, {held}; try again when it "
+                         "ends") from None
 
 
 def set_parent(conn: Connection, run_id: int, parent_id: int, step: int) -> None:

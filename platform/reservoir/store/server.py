@@ -3,6 +3,10 @@
 Started on first use, left running for the next command, shared by every process that uses the
 same data directory, stopped by `reservoir db stop`. Works as root (the wheel runs the server as
 a `pgserver` system user) and as a normal user.
+
+The server's superuser only creates Reservoir's roles and database (`roles.bootstrap`, at the
+first start, and again for a data directory an older Reservoir made); every URL `start` gives
+logs in as reservoir_owner, the database's owner, which is no superuser.
 """
 
 from __future__ import annotations
@@ -15,8 +19,14 @@ from pathlib import Path
 from urllib.parse import quote
 
 from reservoir.errors import StoreError
+from reservoir.store.urls import OWNER_ROLE
 
 DATABASE = "reservoir"
+SUPERUSER = "postgres"
+# A file in the data directory saying its roles are made (by this version of `bootstrap`):
+# then a command attaches to the running server without connecting as the superuser.
+ROLES_MADE = "reservoir_roles"
+ROLES_VERSION = "1"
 log = logging.getLogger(__name__)
 
 
@@ -40,7 +50,7 @@ def _lock(data_dir: Path):
     return fasteners.InterProcessLock(str(data_dir.parent / f".{data_dir.name}.lock"))
 
 
-def running_url(data_dir: Path) -> str | None:
+def running_url(data_dir: Path, *, user: str = OWNER_ROLE, database: str = DATABASE) -> str | None:
     """The URL of a server already running in data_dir, read from its postmaster.pid without
     loading the wheel (the quick commands attach this way); None if it is not running."""
     try:
@@ -57,56 +67,48 @@ def running_url(data_dir: Path) -> str | None:
     except OSError:
         return None
     port_option = "" if port == 5432 else f"&port={port}"
-    return f"postgresql://postgres@/{DATABASE}?host={quote(socket_dir, safe='')}{port_option}"
+    return f"postgresql://{user}@/{database}?host={quote(socket_dir, safe='')}{port_option}"
 
 
 def start(data_dir: Path) -> str:
-    """Start (or attach to) the embedded server and return a URL for the `reservoir` database."""
+    """Start (or attach to) the embedded server; the owner's URL of the `reservoir` database."""
     data_dir = Path(data_dir).expanduser().resolve()
     attached = running_url(data_dir)
-    if attached is not None:
+    if attached is not None and _roles_made(data_dir):
         return attached
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     pgserver = _pgserver()
     lock = _lock(data_dir)
-    info = _running_info(data_dir, lock)
-    if info is None:
+    if _running_info(data_dir, lock) is None:
         pgserver.PostgresServer._lock = lock
         try:
-            info = pgserver.get_server(data_dir, cleanup_mode=None).get_postmaster_info()
+            pgserver.get_server(data_dir, cleanup_mode=None)
         except Exception as exc:
             raise StoreError(f"embedded PostgreSQL in {data_dir} failed to start: {exc}") from exc
         log.info("embedded PostgreSQL started in %s", data_dir)
     with lock:
-        _ensure_database(info.get_uri(database="postgres"))
-    return running_url(data_dir) or _plain_url(info.get_uri(database=DATABASE))
+        if not _roles_made(data_dir):
+            from reservoir.store import roles
+
+            roles.bootstrap(admin_url(data_dir), database=DATABASE, embedded=True)
+            (data_dir / ROLES_MADE).write_text(ROLES_VERSION)
+    return running_url(data_dir)
 
 
-def _plain_url(url: str) -> str:
-    """The URL without the wheel's empty password, in the form psql also accepts."""
-    from sqlalchemy.engine import URL, make_url
+def admin_url(data_dir: Path) -> str:
+    """The superuser's URL of the running server's `postgres` database: for making roles and
+    databases (and for tests), never for Reservoir's work."""
+    url = running_url(Path(data_dir).expanduser().resolve(), user=SUPERUSER, database="postgres")
+    if url is None:
+        raise StoreError(f"no embedded PostgreSQL runs in {data_dir}")
+    return url
 
-    parsed = make_url(url)
-    return URL.create("postgresql", username=parsed.username, database=parsed.database,
-                      query=parsed.query).render_as_string(hide_password=False)
 
-
-def _ensure_database(admin_url: str) -> None:
-    import psycopg2
-    from psycopg2 import errors as pg_errors
-
-    conn = psycopg2.connect(admin_url)
-    conn.autocommit = True
+def _roles_made(data_dir: Path) -> bool:
     try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,))
-            if cur.fetchone() is None:
-                try:
-                    cur.execute(f'CREATE DATABASE "{DATABASE}"')
-                except pg_errors.DuplicateDatabase:
-                    pass
-    finally:
-        conn.close()
+        return (data_dir / ROLES_MADE).read_text() == ROLES_VERSION
+    except OSError:
+        return False
 
 
 def _running_info(data_dir: Path, lock):

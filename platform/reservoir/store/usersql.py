@@ -12,9 +12,11 @@ else does. The guarantees come from the server, not from inspecting the text:
   only the kinds of statement that read (SELECT, WITH, VALUES, TABLE, SHOW, EXPLAIN) are taken;
 - a statement timeout bounds it.
 
-The scanner below only finds `:name` placeholders, parentheses and the first keyword; it
-follows PostgreSQL's lexical rules for quotes, dollar quotes and comments so that a colon or a
-parenthesis inside them is left alone.
+The scanner below is a friendly early error, not the guard: it reads the text with
+PostgreSQL's own lexical rules (scan.l: comments end at a carriage return too, identifiers take
+any non-ASCII character and `$`, nested block comments, E'' and continued strings, dollar tags,
+backslashes by standard_conforming_strings) to find `:name` placeholders, parentheses and the
+first keyword; the tests compare its reading with the server's.
 """
 
 from __future__ import annotations
@@ -31,10 +33,25 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 from reservoir.errors import StoreError
 
 READ_KINDS = ("select", "with", "values", "table", "show", "explain")
+# The statement timeout, and whether the login holds rights no user SQL may run with.
+TIMEOUT_AND_LOGIN = """
+SELECT set_config('statement_timeout', $1, true), current_user::text, r.rolsuper OR EXISTS (
+         SELECT FROM unnest(ARRAY['pg_execute_server_program', 'pg_read_server_files',
+                                  'pg_write_server_files', 'pg_signal_backend']) granted
+         WHERE pg_has_role(current_user, granted, 'MEMBER'))
+FROM pg_roles r WHERE r.rolname = current_user
+"""
 DEFAULT_TIMEOUT_S = 30.0
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
-_DOLLAR_TAG = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$")
 _WORD = re.compile(r"[A-Za-z_]+")
+# scan.l's classes; every non-ASCII character is a letter to PostgreSQL (bytes \200-\377)
+_LETTER = r"A-Za-z_\x80-\U0010ffff"
+_DOLLAR_TAG = re.compile(rf"\$([{_LETTER}][{_LETTER}0-9]*)?\$")
+_IDENTIFIER = re.compile(rf"[{_LETTER}][{_LETTER}0-9$]*")
+_NUMBER = re.compile(r"0[xXoObB][0-9A-Fa-f_]+|(\d[\d_]*(\.[\d_]*)?|\.\d[\d_]*)([eE][-+]?\d[\d_]*)?")
+_SPACE = " \t\n\r\f\v"
+# a string continues in the same kind after whitespace holding a newline (and -- comments)
+_CONTINUATION = re.compile(r"[ \t\f\v]*[\n\r](?:[ \t\n\r\f\v]+|--[^\n\r]*[\n\r])*'")
 
 
 class UserSQLError(StoreError):
@@ -47,41 +64,14 @@ class Segment:
     text: str
 
 
-def scan(sql: str) -> Iterator[Segment]:
-    """Split SQL into code, string literals, quoted identifiers, comments and :name params."""
+def scan(sql: str, *, standard_strings: bool = True) -> Iterator[Segment]:
+    """Split SQL into code, string literals, quoted identifiers, comments and :name params, as
+    PostgreSQL's lexer does (`standard_strings`: the server's standard_conforming_strings)."""
     i, n, code_start = 0, len(sql), 0
     while i < n:
-        char = sql[i]
-        end, kind = None, None
-        if char == "'":
-            end, kind = _string_end(sql, i, backslashes=_escape_prefix(sql, i)), "string"
-        elif char == '"':
-            end, kind = _quoted_end(sql, i, '"'), "ident"
-        elif char == "-" and sql.startswith("--", i):
-            newline = sql.find("\n", i)
-            end, kind = (n if newline < 0 else newline), "comment"
-        elif char == "/" and sql.startswith("/*", i):
-            end, kind = _block_comment_end(sql, i), "comment"
-        elif char == "$" and not _after_identifier(sql, i):
-            tag = _DOLLAR_TAG.match(sql, i)
-            if tag:
-                close = sql.find(tag.group(0), tag.end())
-                if close < 0:
-                    raise UserSQLError("unterminated dollar-quoted string "
-                                       f"{tag.group(0)}...: nothing was run")
-                end, kind = close + len(tag.group(0)), "string"
-            elif i + 1 < n and sql[i + 1].isdigit():
-                raise UserSQLError("positional parameters ($1) are not taken: write :name and "
-                                   "pass the value with -p name=value (or the pipeline's params)")
-        elif char == ":":
-            if sql.startswith("::", i):
-                i += 2
-                continue
-            name = _IDENT.match(sql, i + 1)
-            if name and (i == 0 or sql[i - 1] != ":"):
-                end, kind = name.end(), "param"
-        if kind is None:
-            i += 1
+        end, kind = _token(sql, i, standard_strings)
+        if kind == "code":
+            i = end
             continue
         if code_start < i:
             yield Segment("code", sql[code_start:i])
@@ -91,37 +81,94 @@ def scan(sql: str) -> Iterator[Segment]:
         yield Segment("code", sql[code_start:])
 
 
-def _after_identifier(sql: str, i: int) -> bool:
-    return i > 0 and (sql[i - 1].isalnum() or sql[i - 1] in "_$")
+def _token(sql: str, i: int, standard_strings: bool) -> tuple[int, str]:
+    """(end, kind) of the token at i: a comment, string, quoted identifier, :name or code."""
+    char, two = sql[i], sql[i:i + 2]
+    if two == "--":
+        return _line_end(sql, i), "comment"
+    if two == "/*":
+        return _block_comment_end(sql, i), "comment"
+    if char == "'":
+        return _string_end(sql, i, backslashes=not standard_strings), "string"
+    if char == '"':
+        return _quoted_end(sql, i), "ident"
+    if char in "eE" and sql.startswith("'", i + 1):
+        return _string_end(sql, i + 1, backslashes=True), "string"
+    if char in "bBxX" and sql.startswith("'", i + 1):
+        return _string_end(sql, i + 1, backslashes=False, doubled=False), "string"
+    if char in "nN" and sql.startswith("'", i + 1):
+        return _string_end(sql, i + 1, backslashes=not standard_strings), "string"
+    if char in "uU" and sql.startswith("&'", i + 1):
+        return _string_end(sql, i + 2, backslashes=False), "string"
+    if char in "uU" and sql.startswith('&"', i + 1):
+        return _quoted_end(sql, i + 2), "ident"
+    if char == "$":
+        return _dollar(sql, i)
+    if char == ":":
+        if two in ("::", ":="):
+            return i + 2, "code"
+        name = _IDENT.match(sql, i + 1)
+        return (name.end(), "param") if name else (i + 1, "code")
+    identifier = _IDENTIFIER.match(sql, i)
+    if identifier:
+        return identifier.end(), "code"
+    number = _NUMBER.match(sql, i)
+    if number:
+        if _IDENTIFIER.match(sql, number.end()):  # PostgreSQL 15+: "trailing junk"; 14 splits
+            raise UserSQLError(f"a number runs into a name at {sql[i:number.end() + 1]!r}: "
+                               "put a space between them; nothing was run")
+        return number.end(), "code"
+    return i + 1, "code"
 
 
-def _escape_prefix(sql: str, i: int) -> bool:
-    """Whether the quote at i opens an E'...' string (backslash escapes)."""
-    return i > 0 and sql[i - 1] in "eE" and not _after_identifier(sql, i - 1)
+def _dollar(sql: str, i: int) -> tuple[int, str]:
+    """A dollar-quoted string (up to the next copy of its tag), else a lone `$`."""
+    if i + 1 < len(sql) and sql[i + 1].isdigit():
+        raise UserSQLError("positional parameters ($1) are not taken: write :name and "
+                           "pass the value with -p name=value (or the pipeline's params)")
+    tag = _DOLLAR_TAG.match(sql, i)
+    if not tag:
+        return i + 1, "code"
+    close = sql.find(tag.group(0), tag.end())
+    if close < 0:
+        raise UserSQLError(f"unterminated dollar-quoted string {tag.group(0)}...: "
+                           "nothing was run")
+    return close + len(tag.group(0)), "string"
 
 
-def _string_end(sql: str, i: int, *, backslashes: bool) -> int:
+def _line_end(sql: str, i: int) -> int:
+    """Where a -- comment ends: at a newline or a carriage return."""
+    ends = [at for at in (sql.find("\n", i), sql.find("\r", i)) if at >= 0]
+    return min(ends) if ends else len(sql)
+
+
+def _string_end(sql: str, i: int, *, backslashes: bool, doubled: bool = True) -> int:
+    """The end of the quoted string at i, and of any string continuing it (same kind)."""
     j = i + 1
     while j < len(sql):
         if backslashes and sql[j] == "\\":
             j += 2
             continue
         if sql[j] == "'":
-            if sql.startswith("''", j):
+            if doubled and sql.startswith("''", j):
                 j += 2
                 continue
-            return j + 1
+            more = _CONTINUATION.match(sql, j + 1)
+            if not more:
+                return j + 1
+            j = more.end()
+            continue
         j += 1
     raise UserSQLError("unterminated string literal: nothing was run")
 
 
-def _quoted_end(sql: str, i: int, quote: str) -> int:
+def _quoted_end(sql: str, i: int) -> int:
     j = i + 1
     while True:
-        j = sql.find(quote, j)
+        j = sql.find('"', j)
         if j < 0:
             raise UserSQLError("unterminated quoted identifier: nothing was run")
-        if sql.startswith(quote * 2, j):
+        if sql.startswith('""', j):
             j += 2
             continue
         return j + 1
@@ -149,10 +196,10 @@ class Bound:
     names: tuple[str, ...]
 
 
-def bind_names(sql: str, *, first: int = 1) -> Bound:
+def bind_names(sql: str, *, first: int = 1, standard_strings: bool = True) -> Bound:
     """Replace each :name with $n (the same name, the same n); `first` numbers the first one."""
     parts, names = [], []
-    for segment in scan(sql):
+    for segment in scan(sql, standard_strings=standard_strings):
         if segment.kind != "param":
             parts.append(segment.text)
             continue
@@ -162,24 +209,24 @@ def bind_names(sql: str, *, first: int = 1) -> Bound:
     return Bound("".join(parts), tuple(names))
 
 
-def first_keyword(sql: str) -> str:
+def first_keyword(sql: str, *, standard_strings: bool = True) -> str:
     """The statement's first word (lower case), past comments and opening parentheses."""
-    for segment in scan(sql):
+    for segment in scan(sql, standard_strings=standard_strings):
         if segment.kind == "comment":
             continue
         if segment.kind != "code":
             return ""
-        stripped = segment.text.lstrip(" \t\r\n(")
+        stripped = segment.text.lstrip(_SPACE + "(")
         if stripped:
             word = _WORD.match(stripped)
             return word.group(0).lower() if word else ""
     return ""
 
 
-def check_expression(sql: str, what: str) -> None:
+def check_expression(sql: str, what: str, *, standard_strings: bool = True) -> None:
     """One expression: parentheses balanced (never closing one it did not open), no `;`."""
     depth = 0
-    for segment in scan(sql):
+    for segment in scan(sql, standard_strings=standard_strings):
         if segment.kind != "code":
             continue
         if ";" in segment.text:
@@ -294,7 +341,13 @@ async def transaction(conn, *, write: bool = False, timeout_s: float = DEFAULT_T
     try:
         if write:  # explicit: a login whose default is read-only (the reader) meets its privileges
             await conn.execute("SET TRANSACTION READ WRITE")
-        await conn.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout_s * 1000))}")
+        _, user, privileged = await conn.fetchrow(TIMEOUT_AND_LOGIN,
+                                               str(max(1, int(timeout_s * 1000))))
+        if privileged:
+            raise UserSQLError(f"the login {user} is a superuser or may run programs, read or "
+                               "write the server's files or signal other sessions: SQL a "
+                               "person wrote never runs as it (log in as the store's owner or "
+                               "the reader); nothing was run")
         yield
     except BaseException:
         await tx.rollback()
@@ -311,8 +364,12 @@ async def fetch(conn, sql: str, values: dict[str, Any] | None = None, *, write: 
     whose `{sql}` the user's text fills), `fixed` are the values of the template's own
     $1..$k, and the user's :names are numbered after them."""
     first = len(fixed) + 1
-    bound = bind_names(sql, first=first)
-    kind = first_keyword(sql) if template == "{sql}" else template.split(None, 1)[0].lower()
+    standard = conn.get_settings().standard_conforming_strings == "on"
+    if template != "{sql}":  # read with the server's own setting, whatever a check said before
+        check_expression(sql, "the expression", standard_strings=standard)
+    bound = bind_names(sql, first=first, standard_strings=standard)
+    kind = (first_keyword(sql, standard_strings=standard) if template == "{sql}"
+            else template.split(None, 1)[0].lower())
     sql = template.format(sql=bound.sql)
     values = values or {}
     missing = [name for name in bound.names if name not in values]
