@@ -6,13 +6,14 @@ import json
 import os
 import re
 import subprocess
+import threading
 
 import pytest
 from sqlalchemy import text
 
 from reservoir.store import migrate
 from reservoir.store.engine import sync_engine
-from tests.commands import RESERVOIR, key_values, reservoir, scalar
+from tests.commands import RESERVOIR, command_env, key_values, reservoir, scalar
 
 
 @pytest.fixture
@@ -249,3 +250,41 @@ def test_a_bad_server_url_is_one_line_without_its_password(tmp_path, url, args):
     """Issue 8: main printed a 143-line traceback."""
     line = one_line_error(reservoir(*args, url=url, cwd=tmp_path))
     assert "secret" not in line
+
+
+def test_sql_streams_rows_and_stops_at_max_rows(cli):
+    """Issue 28: an unbounded SELECT held all its rows in memory (1M rows: 1.9 GB, 345 s, then
+    a MemoryError). Rows stream through a cursor: a table shows --max-rows of them (10,000 by
+    default) and says how many more there were; CSV streams them all."""
+    import time
+
+    import psutil
+
+    def run(*args: str) -> tuple[subprocess.CompletedProcess, float, int]:
+        began, peak = time.monotonic(), 0
+        process = subprocess.Popen([str(RESERVOIR), "sql", *args], env=command_env(cli.url),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        watched = psutil.Process(process.pid)
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.append(process.stdout.read()))
+        reader.start()
+        while process.poll() is None:
+            try:
+                peak = max(peak, watched.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        reader.join()
+        done = subprocess.CompletedProcess(args, process.returncode, out[0], process.stderr.read())
+        return done, time.monotonic() - began, peak
+
+    wide = "SELECT g, repeat('x', 100) AS pad FROM generate_series(1, 1000000) g"
+    table, seconds, peak = run(wide, "--wide")
+    assert table.returncode == 0, table.stderr
+    assert "990,000 more rows not shown (--max-rows 10000)" in table.stdout + table.stderr
+    assert seconds < 60 and peak < 400 * 2**20, (seconds, peak / 2**20)
+    few, _, _ = run(wide, "--max-rows", "3", "-f", "json")
+    assert len(json.loads(few.stdout)) == 3 and "999,997 more rows" in few.stderr
+    csv, _, peak = run("SELECT g FROM generate_series(1, 300000) g", "-f", "csv")
+    assert csv.stdout.splitlines()[-1] == "300000" and len(csv.stdout.splitlines()) == 300_001
+    assert peak < 400 * 2**20, peak / 2**20

@@ -23,6 +23,7 @@ from reservoir.models import build_tiny_model, load_model
 from reservoir.prepare import ensure_run
 from reservoir.store import Experience, Store
 from reservoir.store.engine import sync_engine
+from tests.commands import execute
 from tests.test_run import ledger
 
 RESERVOIR = Path(sys.executable).with_name("reservoir")
@@ -252,3 +253,24 @@ def test_a_trainer_killed_in_its_warm_up_resumes_to_the_same_weights(tmp_path, n
                for side in ("straight", "killed")]
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_step_whose_loss_is_not_finite_is_never_committed(tmp_path, db_url):
+    """Issue 28: a row's reward of 1e39 (stored before the writer checked rewards against
+    float32) made the loss NaN at step 1 and the run failed after committing it. The step is
+    not committed, its rows go back to ready, and one line names them."""
+    model = build_tiny_model(tmp_path / "tiny", seed=4)
+    config_path = trainer_config(tmp_path, "nan", db_url, model)
+    with Store(db_url) as store:
+        ensure_run(store, parse_config(yaml.safe_load(config_path.read_text())))
+        store.write_groups(offline_groups("offline", 4))
+    bad = query(db_url, "SELECT min(id) FROM experiences")[0][0]
+    execute(db_url, f"UPDATE experiences SET reward = 1e39 WHERE id = {bad}")
+    trainer = start("train", str(config_path), cwd=tmp_path)
+    output, _ = trainer.communicate(timeout=300)
+    assert trainer.returncode == 1, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("error: step 1: the loss is not finite") and f"{bad}," in last, last
+    assert "nothing of the step was committed" in last, last
+    assert query(db_url, "SELECT array_agg(step) FROM train_steps") == [([0],)]
+    assert query(db_url, "SELECT DISTINCT status FROM experiences") == [("ready",)]

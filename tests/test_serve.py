@@ -252,3 +252,70 @@ def test_a_database_outage_is_a_503_and_nothing_is_half_written(tmp_path, own_se
         process.send_signal(signal.SIGINT)
         output = process.communicate(timeout=60)[0]
     assert "Traceback" not in output, output
+
+
+# -- issue 28: what a web page, a big or strange number, a big body or another client can do --
+
+def test_pages_numbers_big_bodies_and_other_clients_change_nothing(served, db_url):
+    """Items 5-8 and 11 of issue 28 against one server: a page of another origin (a
+    text/plain POST, Origin or Host of evil.example) was answered and recorded; reward 1e39 and
+    10**400 were taken or a 500; a 30 MB prompt took 98 s of CPU before its 400; any client
+    could add calls to, or report, another client's episode; JSON nested 100,000 deep was a
+    500. Each is refused now, and nothing is stored."""
+    import json
+    import time
+
+    from reservoir.agent import Episode
+
+    base = served.up(served())
+    publish_start(db_url, served.config)
+    wait_for(lambda: published(base, 0), timeout=30)
+    host = f"127.0.0.1:{served.port}"
+    chat = json.dumps({"model": "agent", "messages": USER, "user": "alice-ep"})
+    feedback = json.dumps({"episode_id": "alice-ep", "reward": 1})
+    for headers, status in (({"content-type": "text/plain"}, 415),
+                            ({"content-type": "application/x-www-form-urlencoded"}, 415),
+                            ({"content-type": "application/json",
+                              "origin": "http://evil.example"}, 403),
+                            ({"content-type": "application/json", "origin": "null"}, 403),
+                            ({"content-type": "application/json", "host": "evil.example"}, 421),
+                            ({"content-type": "application/json",
+                              "host": f"evil.example:{served.port}"}, 421)):
+        for path, body in (("chat/completions", chat), ("feedback", feedback)):
+            response = httpx.post(f"{base}/{path}", content=body, headers=headers)
+            assert response.status_code == status, (path, headers, response.text)
+    assert httpx.get(f"{base}/models", headers={"host": "evil.example"}).status_code == 421
+    same_origin = {"content-type": "application/json", "origin": f"http://{host}"}
+    assert httpx.post(f"{base}/chat/completions", content=chat,
+                      headers=same_origin).status_code == 200
+    assert counts(db_url) == (1, 1, 0)
+
+    alice = Episode(openai.OpenAI(base_url=base, api_key="unused"), "bound-ep", base_url=base)
+    alice.create(model="agent", messages=USER, n=2)
+    stranger = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError, match="opened it"):
+        stranger.chat.completions.create(model="agent", messages=USER, user="bound-ep")
+    with pytest.raises(ReservoirError, match="HTTP 403"):
+        report_reward(base, "bound-ep", 1.0)
+    assert counts(db_url) == (2, 3, 0)
+
+    def post(body: bytes, path: str = "feedback") -> httpx.Response:
+        return httpx.post(f"{base}/{path}", content=body, timeout=60,
+                          headers={"content-type": "application/json"})
+
+    for number in (b"1e39", b"1e400", b"1" + b"0" * 400, b"-1e7", b"1e6"):
+        body = b'{"episode_id": "bound-ep", "reward": %s, "episode_secret": "%s"}' % (
+            number, alice.secret.encode())
+        status = post(body).status_code
+        assert status == (200 if number == b"1e6" else 400), (number, status)
+    assert counts(db_url) == (2, 1, 2)  # bound-ep was rewarded 1e6, the limit, and no more
+    deep = b'{"model": "agent", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert post(deep, "chat/completions").status_code == 400
+    began = time.monotonic()
+    huge = post(json.dumps({"model": "agent", "messages": [
+        {"role": "user", "content": "x" * 30_000_000}]}).encode(), "chat/completions")
+    assert huge.status_code == 413 and time.monotonic() - began < 10, huge.text
+    many = [{"role": "user", "content": "a"}] * 5_000
+    assert post(json.dumps({"model": "agent", "messages": many}).encode(),
+                "chat/completions").status_code == 400
+    assert counts(db_url) == (2, 1, 2)

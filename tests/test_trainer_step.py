@@ -68,3 +68,20 @@ def test_steps_raise_the_logprob_of_rewarded_responses(engine, leased, store):
     assert rewarded_margin() > before + 0.5
     assert metrics["train_tokens"] == float(batch.mask.sum())
     store.commit_step(lease, step=1, policy_version=0, loss=metrics["loss"], metrics=metrics)
+
+
+def test_a_step_whose_loss_is_not_finite_steps_no_weight(engine, leased):
+    """Issue 28: a reward past float32 (1e39, stored before the writer checked it) became inf
+    in the batch, every advantage NaN, and the step wrote NaN into every weight."""
+    from reservoir.trainer.step import StepNotFinite
+
+    _, batch = leased
+    batch.rewards[0] = float("inf")
+    model = copy.deepcopy(engine.model)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(StepNotFinite, match="not finite"):
+        train_step(model, optimizer, batch, PRESETS["grpo"], micro_batch=4)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+    assert not optimizer.state  # AdamW took no step

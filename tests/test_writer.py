@@ -117,6 +117,14 @@ INVALID = [
     case("parent-id-text", row(2, parent_id="p"), "parent_id", 2, "'p'"),
     case("row-not-an-experience", lambda g: g[:2] + [{"run": "r"}] + g[3:], "group", 2,
          "{'run': 'r'}"),
+    # Issue 28, found on main: accepted, and then a float32 tensor of inf, an IndexError, or a
+    # row of a version no trainer published.
+    case("reward-past-float32", row(2, reward=1e39), "reward", 2, "= 1e+39"),
+    case("reward-past-the-range", row(2, reward=-1e7), "reward", 2, "= -10000000.0"),
+    case("component-past-float32", row(2, reward_components={"accuracy": 1e39}),
+         "reward_components.accuracy", 2, "= 1e+39"),
+    case("empty-prompt-ids", row(2, prompt_ids=[]), "prompt_ids", 2, "= []"),
+    case("version-never-published", every_row(policy_version=3), "policy_version", 0, "= 3"),
 ]
 
 
@@ -460,3 +468,26 @@ def test_a_write_cancelled_in_its_lookup_is_one_line_and_writes_nothing(seeded, 
             seeded.write_groups([make_group("r", seed=7)])
         canceller.join(10)
     assert counts(seeded) == before
+
+
+def test_token_ids_past_the_run_s_vocabulary_are_refused(store):
+    """Issue 28: a token id of 2**31 - 1 was written and later crashed a trainer with an
+    IndexError in its embedding; a run made from a model knows its vocabulary."""
+    store.create_run("v", group_size=4, vocab_size=1000)
+    before = counts(store)
+    for field in ("prompt_ids", "response_ids"):
+        group = make_group("v", seed=1)
+        setattr(group[1], field, [5, 1000, 6, 7, 8, 9])
+        with pytest.raises(ExperienceInvalid, match=rf"group 0 row 1 .*'{field}'.* run 'v' "
+                                                    r"has a vocabulary of 1000 tokens"):
+            store.write_groups([group])
+    assert counts(store) == before
+    store.write_groups([make_group("v", seed=2)])  # ids below 1000 go in
+
+
+def test_a_version_is_written_once_it_is_published(seeded):
+    seeded.publish_version("r", 3, location="file:///v3", train_step=3)
+    seeded.write_groups([make_group("r", seed=5, version=3)])
+    with pytest.raises(ExperienceInvalid, match="policy_version' = 4: run 'r' has published "
+                                                "no version past 3"):
+        seeded.write_groups([make_group("r", seed=6, version=4)])
