@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from reservoir.agent import report_reward
+from reservoir.agent import Episode, report_reward
 from reservoir.config import load_config
 from reservoir.errors import ReservoirError
 from reservoir.models import build_tiny_model
@@ -102,16 +102,19 @@ def test_calls_are_recorded_then_feedback_makes_them_experiences_that_train(serv
     wait_for(lambda: published(base, 0), timeout=120)
     client = openai.OpenAI(base_url=base, api_key="unused")
     assert [model.id for model in client.models.list()] == ["agent"]
-    first = client.chat.completions.create(model="agent", messages=USER, n=2, logprobs=True,
-                                           user="episode-a")
+    first = client.chat.completions.with_raw_response.create(
+        model="agent", messages=USER, n=2, logprobs=True, user="episode-a")
+    secret = first.headers["x-episode-secret"]  # the episode is this client's from now on
+    first = first.parse()
     second = client.chat.completions.with_raw_response.create(
         model="agent", messages=USER + [{"role": "assistant", "content": "cba"},
                                         {"role": "user", "content": "again"}],
-        max_tokens=4, extra_headers={"X-Episode-Id": "episode-a"})
+        max_tokens=4, extra_headers={"X-Episode-Id": "episode-a", "X-Episode-Secret": secret})
     assert second.headers["x-episode-id"] == "episode-a"
+    assert "x-episode-secret" not in second.headers  # made once, by the call that opened it
     assert len(first.choices) == 2 and first.usage.completion_tokens > 0
     assert counts(db_url) == (1, 3, 0)  # recorded, and nothing trains before the reward
-    answer = report_reward(base, "episode-a", rewards=[1.0, 0.0, 0.5])
+    answer = report_reward(base, "episode-a", rewards=[1.0, 0.0, 0.5], secret=secret)
     assert (answer["responses"], answer["status"]) == (3, "ready")
     assert counts(db_url) == (1, 0, 3)
     rows = query(db_url, "SELECT group_id, group_row, reward, response_ids, logprobs, "
@@ -125,12 +128,14 @@ def test_calls_are_recorded_then_feedback_makes_them_experiences_that_train(serv
         assert row.metadata["call"] == first.id and row.metadata["episode"] == "episode-a"
     assert {row.policy_version for row in rows} == {0}
     with pytest.raises(openai.ConflictError):  # a reported episode takes no more calls
-        client.chat.completions.create(model="agent", messages=USER, user="episode-a")
+        client.chat.completions.create(model="agent", messages=USER, user="episode-a",
+                                       extra_headers={"X-Episode-Secret": secret})
     with pytest.raises(ReservoirError, match="HTTP 409: episode 'episode-a': its reward was "
                                              "reported already"):
-        report_reward(base, "episode-a", 1.0)
-    client.chat.completions.create(model="agent", messages=USER, n=2, user="episode-b")
-    report_reward(base, "episode-b", rewards=[0.0, 1.0])
+        report_reward(base, "episode-a", 1.0, secret=secret)
+    episode_b = Episode(client, "episode-b")
+    episode_b.create(model="agent", messages=USER, n=2)
+    episode_b.report(rewards=[0.0, 1.0])
     assert "policy version 1" in finish(trainer, timeout=240)  # it leased both episodes
     trained = query(db_url, "SELECT count(*) FROM batch_items b JOIN train_steps t ON "
                             "t.id = b.train_step_id WHERE t.step = 1")[0][0]
@@ -179,9 +184,10 @@ def test_bad_requests_get_openai_errors_and_store_nothing(served, db_url):
                               headers={"content-type": "application/json"})
         assert response.status_code == status, (feedback, response.text)
     assert counts(db_url) == (0, 0, 0)
-    client.chat.completions.create(model="agent", messages=USER, n=2, user="short")
+    short = Episode(client, "short")
+    short.create(model="agent", messages=USER, n=2)
     with pytest.raises(ReservoirError, match="has 2 responses; got 3 rewards"):
-        report_reward(base, "short", rewards=[1, 0, 1])
+        short.report(rewards=[1, 0, 1])
     assert counts(db_url) == (1, 2, 0)  # the refused report changed nothing
 
 
@@ -211,9 +217,9 @@ def test_a_token_guards_the_server_and_is_required_off_loopback(served, db_url):
     assert httpx.post(f"{base}/feedback", json={"episode_id": "guarded", "reward": 1}
                       ).status_code == 401
     assert counts(db_url) == (0, 0, 0)
-    good = openai.OpenAI(base_url=base, api_key="s3cret-token")
-    good.chat.completions.create(model="agent", messages=USER, user="guarded")
-    report_reward(base, "guarded", 1.0, api_key="s3cret-token")
+    guarded = Episode(openai.OpenAI(base_url=base, api_key="s3cret-token"), "guarded")
+    guarded.create(model="agent", messages=USER)
+    guarded.report(1.0)
     assert counts(db_url) == (1, 0, 1)
 
 
@@ -234,19 +240,20 @@ def test_a_database_outage_is_a_503_and_nothing_is_half_written(tmp_path, own_se
         publish_start(url, config)
         wait_for(lambda: published(base, 0), timeout=30)
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
-        client.chat.completions.create(model="agent", messages=USER, user="before")
+        before = Episode(client, "before")
+        before.create(model="agent", messages=USER)
         stop()
         for index in range(3):  # while the store is down
             with pytest.raises(openai.InternalServerError, match="unreachable"):
                 client.chat.completions.create(model="agent", messages=USER, user=f"e{index}")
         with pytest.raises(ReservoirError, match="HTTP 503"):
-            report_reward(base, "before", 1.0)
+            before.report(1.0)
         start_again()
         client.chat.completions.create(model="agent", messages=USER, user="after")
         answered = {"before", "after"}
         assert {row[0] for row in query(url, "SELECT key FROM episodes")} == answered
         assert query(url, "SELECT count(*) FROM episode_calls")[0][0] == len(answered)
-        report_reward(base, "before", 1.0)
+        before.report(1.0)
         assert query(url, "SELECT count(*) FROM experiences") == [(1,)]
     finally:
         process.send_signal(signal.SIGINT)

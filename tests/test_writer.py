@@ -260,6 +260,7 @@ def test_skip_with_only_bad_groups_writes_nothing(seeded):
 def written(store):
     """A group with edge values written to run 'r' (group_size 3) for a task: (group, result)."""
     store.create_run("r", group_size=3)
+    store.publish_version("r", 2, location="file:///v2", train_step=2)
     with store.engine.begin() as conn:
         [task_id] = add_tasks(conn, store.aio.run_ids("r")[0], [{"prompt": "2+2=?"}])
     common = dict(run="r", task_id=task_id, policy_version=2, prompt_text="2+2=? ✓")
@@ -269,7 +270,7 @@ def written(store):
                    logprobs=[-0.1, -1e-45, -3.4028235e38, 0.0], action_mask=[1, 0, 0, 1],
                    reward=1.0, reward_components={"accuracy": 1.0, "format": 0.25},
                    metadata={"seed": 7, "tags": ["a", "é"]}),
-        Experience(**common, response_text="four", prompt_ids=[], response_ids=[9],
+        Experience(**common, response_text="four", prompt_ids=[5], response_ids=[9],
                    reward=-0.5),
         Experience(**common, response_text="IV", prompt_ids=np.arange(20),
                    response_ids=np.arange(100, 150, dtype=np.uint16),

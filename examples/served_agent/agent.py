@@ -14,7 +14,7 @@ import time
 
 from openai import OpenAI
 
-from reservoir.agent import report_reward, wait_for_policy
+from reservoir.agent import Episode, wait_for_policy
 
 
 def word(rng: random.Random) -> str:
@@ -34,13 +34,12 @@ def main() -> None:
     rng, window = random.Random(args.seed), []
     for episode in range(args.episodes):
         secret = word(rng)
-        reply = client.chat.completions.create(
-            model=args.model, n=8, user=f"agent-{args.seed}-{episode}",
-            messages=[{"role": "user", "content": f"Reverse: {secret}"}])
+        calls = Episode(client, f"agent-{args.seed}-{episode}")
+        reply = calls.create(model=args.model, n=8,
+                             messages=[{"role": "user", "content": f"Reverse: {secret}"}])
         rewards = [float(choice.message.content.strip() == secret[::-1])
                    for choice in reply.choices]
-        report_reward(args.base_url, f"agent-{args.seed}-{episode}", rewards=rewards,
-                      api_key=args.api_key)
+        calls.report(rewards=rewards)
         window.append(sum(rewards) / len(rewards))
         if len(window) == 50:
             print(f"{time.strftime('%H:%M:%S')} episodes {episode - 48}..{episode + 1}: mean "

@@ -1,12 +1,15 @@
-"""For agents served by `reservoir serve`: report an episode's reward (POST /v1/feedback).
+"""For agents served by `reservoir serve`: an episode's calls and its reward.
 
     from openai import OpenAI
-    from reservoir.agent import report_reward
+    from reservoir.agent import Episode
 
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
-    reply = client.chat.completions.create(model="my-run", messages=[...], user="episode-1")
-    report_reward("http://127.0.0.1:8000/v1", "episode-1", 1.0)
+    episode = Episode(client, "episode-1")
+    reply = episode.create(model="my-run", messages=[...])
+    episode.report(1.0)
 
+An episode is bound to the client that opened it: its first call returns a secret
+(X-Episode-Secret) that its later calls and its report must carry, which `Episode` does.
 Until its reward is reported an episode's calls are only recorded; then they become one group
 of experiences, which the trainer can lease. Before the trainer has published the run's first
 policy the server answers 503; `wait_for_policy` waits for it.
@@ -22,15 +25,43 @@ import httpx
 from reservoir.errors import ReservoirError
 
 
+class Episode:
+    """One episode's calls through an `openai.OpenAI` client, and its reward. The secret its
+    first call returned goes with every later call and with the report."""
+
+    def __init__(self, client, episode_id: str, *, base_url: str | None = None) -> None:
+        self.client, self.id = client, episode_id
+        self.base_url = base_url or str(client.base_url)
+        self.secret: str | None = None
+
+    def create(self, **request):
+        """`client.chat.completions.create(**request)` in this episode."""
+        headers = {**request.pop("extra_headers", {}), "X-Episode-Id": self.id}
+        if self.secret is not None:
+            headers["X-Episode-Secret"] = self.secret
+        raw = self.client.chat.completions.with_raw_response.create(extra_headers=headers,
+                                                                    **request)
+        self.secret = raw.headers.get("x-episode-secret") or self.secret
+        return raw.parse()
+
+    def report(self, reward: float | None = None, **options) -> dict:
+        """`report_reward` for this episode (its client's key, its secret)."""
+        options.setdefault("api_key", self.client.api_key)
+        return report_reward(self.base_url, self.id, reward, secret=self.secret, **options)
+
+
 def report_reward(base_url: str, episode_id: str, reward: float | None = None, *,
                   rewards: Sequence[float] | None = None,
                   components: dict[str, float] | None = None, api_key: str | None = None,
-                  timeout: float = 60.0) -> dict:
+                  secret: str | None = None, timeout: float = 60.0) -> dict:
     """Give the episode one reward for every response (`reward`, optionally split into named
     `components` that sum to it) or one per response, in the order they were made
-    (`rewards`). Returns the server's answer (responses written, their status, the group
-    id); ReservoirError with the server's message when it refuses."""
+    (`rewards`); `secret` is what its first call returned (X-Episode-Secret). Returns the
+    server's answer (responses written, their status, the group id); ReservoirError with the
+    server's message when it refuses."""
     body: dict = {"episode_id": episode_id}
+    if secret is not None:
+        body["episode_secret"] = secret
     if rewards is not None:
         body["rewards"] = list(rewards)
     else:

@@ -15,6 +15,7 @@ from reservoir.cli_pipelines import pipeline_app, review_app, schedule_app
 from reservoir.cli_runs import runs_app
 from reservoir.errors import ReservoirError
 
+MAX_ROWS = 10_000  # rows `reservoir sql` shows as a table or JSON unless --max-rows says
 app = typer.Typer(help="Reservoir: reinforcement fine-tuning around a PostgreSQL experience store.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 inspect_app = typer.Typer(help="Look at runs and experiences.", no_args_is_help=True)
@@ -56,9 +57,12 @@ def sql(statement: str = typer.Argument(..., help="One SQL statement; :name bind
                                                "(default: as the reader, read-only)."),
         timeout: Optional[float] = typer.Option(None, help="Statement timeout in seconds "
                                                            "(default: store.query_timeout_s)."),
+        max_rows: Optional[int] = typer.Option(None, "--max-rows", min=0, help="Rows shown "
+                                               f"(default {MAX_ROWS:,} for table and json; "
+                                               "csv streams every row unless given)."),
         wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
     """Run one SQL statement against the store and print the result."""
-    from reservoir.cli_output import FORMATS, write_rows
+    from reservoir.cli_output import FORMATS, CsvSink, write_rows
     from reservoir.store.inspect import run_sql
 
     if fmt not in FORMATS:
@@ -66,13 +70,19 @@ def sql(statement: str = typer.Argument(..., help="One SQL statement; :name bind
     if timeout is not None and not 0 < timeout <= 86_400:
         raise ReservoirError(f"--timeout {timeout}: give seconds in (0, 86400]")
     where = target(config)
+    streamed = fmt == "csv" and max_rows is None
     result = run_sql(where.url, statement, params=_params(param), write=write,
-                     reader_url=where.reader_url,
-                     timeout_s=timeout or where.timeout_s)
+                     reader_url=where.reader_url, timeout_s=timeout or where.timeout_s,
+                     max_rows=None if streamed else MAX_ROWS if max_rows is None else max_rows,
+                     sink=CsvSink() if streamed else None)
     if not result.columns:
         console.print(result.status, highlight=False)
-    else:
+    elif not streamed:
         write_rows(console, result.columns, result.rows, fmt=fmt, wide=wide)
+    if result.more and not streamed:
+        shown = MAX_ROWS if max_rows is None else max_rows
+        sys.stderr.write(f"{result.more:,} more rows not shown (--max-rows {shown}); "
+                         "--format csv streams them all\n")
 
 
 def _params(items: list[str]) -> dict[str, str]:

@@ -47,12 +47,23 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+class CsvSink:
+    """CSV on stdout as the rows stream in: the header once, then each batch."""
+
+    def __init__(self) -> None:
+        self.writer, self.started = csv.writer(sys.stdout), False
+
+    def __call__(self, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        if not self.started:
+            self.writer.writerow(columns)
+            self.started = True
+        self.writer.writerows([[cell(v, null="") for v in row] for row in rows])
+
+
 def write_rows(console: Console, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
                fmt: str = "table", title: str | None = None, wide: bool = False) -> None:
     if fmt == "csv":
-        writer = csv.writer(sys.stdout)
-        writer.writerow(columns)
-        writer.writerows([[cell(v, null="") for v in row] for row in rows])
+        CsvSink()(columns, rows)
     elif fmt == "json":
         records = [dict(zip(columns, row)) for row in rows]
         sys.stdout.write(json.dumps(records, default=_plain, ensure_ascii=False, indent=2) + "\n")

@@ -86,6 +86,21 @@ def _local_path(value: Path) -> Path:
     return value
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+# Rewards and their components a group may carry (explorer.reward_range): a trainer computes
+# in float32, where 1e39 is inf and every advantage of its batch NaN.
+DEFAULT_REWARD_RANGE = (-1e6, 1e6)
+
+
+def check_reward_range(low: float, high: float) -> tuple[float, float]:
+    """A reward range both ends finite, inside float32, low < high; ValueError otherwise."""
+    if not (math.isfinite(low) and math.isfinite(high) and -FLOAT32_MAX <= low < high
+            <= FLOAT32_MAX):
+        raise ValueError(f"[{low:g}, {high:g}]: a reward range is two finite numbers, low < high,"
+                         f" inside float32 (|x| <= {FLOAT32_MAX:.3g})")
+    return float(low), float(high)
+
+
 RunName = Annotated[str, AfterValidator(_run_name)]
 LocalPath = Annotated[Path, AfterValidator(_local_path)]  # every file or folder in a config
 Device = Annotated[str, AfterValidator(_device)]
@@ -269,10 +284,24 @@ class ServeConfig(Section):
     token_env: Annotated[str, AfterValidator(_env_name)] = "RESERVOIR_SERVE_TOKEN"
     max_tokens: Count = count(256, 1, 1_000_000, "a call's max_tokens when it gives none")
     max_n: Count = count(16, 1, 1024, "most choices one call may ask for")
+    max_request_bytes: Count = count(2 * 2**20, 1024, 2**30, "largest request body taken "
+                                     "(413 past it, before it is read)")
+    max_messages: Count = count(1000, 1, 1_000_000, "most messages one call may hold")
+    max_tools: Count = count(128, 0, 100_000, "most tools one call may offer")
+    allowed_hosts: tuple[Annotated[str, AfterValidator(_host)], ...] = Field(
+        default=(), description="names clients reach the server by besides its address (its "
+        "Host header must be one: a rebound DNS name is not)")
+
+
+def _reward_range(value: tuple[float, float]) -> tuple[float, float]:
+    return check_reward_range(*value)
 
 
 class ExplorerConfig(Section):
     n: Count = count(8, 1, 1024, "responses per task (the group size)")
+    reward_range: Annotated[tuple[Number, Number], AfterValidator(_reward_range)] = Field(
+        default=DEFAULT_REWARD_RANGE, description="rewards (and their components) the store "
+        "takes, [low, high] inside float32: a reward or a reported one outside is refused")
     temperature: Number = number(1.0, gt=0, le=100)
     max_tokens: Count = count(16, 1, 1_000_000)
     batch_tasks: Count = count(8, 1, 100_000, "tasks a worker claims and samples in one batch")

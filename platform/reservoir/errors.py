@@ -39,6 +39,11 @@ class FlowControlTimeout(StoreError):
     """A lease or a write waited longer than its timeout for the flow-control limits to allow it."""
 
 
+class StepNotFinite(ReservoirError):
+    """A train step's loss or gradients were not finite: the optimizer took no step, and
+    nothing of the step is committed."""
+
+
 class RankLost(ReservoirError):
     """A collective of the trainer pool failed: another rank ended or broke its connection."""
 
@@ -50,6 +55,11 @@ class WorkflowError(ReservoirError):
 
 class EpisodeUnknown(StoreError):
     """A reward was reported for an episode the run has no calls of."""
+
+
+class EpisodeForbidden(StoreError):
+    """A call or a reward named a served episode without the secret its first call returned:
+    it belongs to the client that opened it."""
 
 
 class EpisodeClosed(StoreError):

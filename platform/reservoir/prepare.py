@@ -5,6 +5,7 @@ transaction; the others wait for it and find the run)."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.store import Store
 from reservoir.store.runs import check_resumable as resumable
 from reservoir.store.ledger import has_step
-from reservoir.store.runs import insert_run, run_id_of, set_parent, set_status
+from reservoir.store.runs import insert_run, run_id_of, set_parent, set_status, set_vocab_size
 from reservoir.store.tasks import add_tasks, copy_tasks
 from reservoir.trainer.stages import total_steps
 
@@ -38,6 +39,17 @@ def check_model(config: ReservoirConfig) -> None:
         raise ConfigError(f"model.path: {config.model.path} is not a model folder (no "
                           "config.json); build one with `reservoir model tiny "
                           f"{config.model.path}`")
+
+
+def vocab_size(config: ReservoirConfig) -> int | None:
+    """The model's vocabulary (its config.json's vocab_size, the embedding's rows): the writer
+    refuses token ids at or past it. None when the folder does not say."""
+    try:
+        found = json.loads((Path(config.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = found.get("vocab_size", (found.get("text_config") or {}).get("vocab_size"))
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def task_rows(config: ReservoirConfig) -> list[dict]:
@@ -67,13 +79,18 @@ def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -
         with store.engine.begin() as conn:
             set_status(conn, run_id, "running")
         return run_id
+    vocabulary = vocab_size(config)
     with store.engine.begin() as conn:
         served = config.serve is not None  # a served run's groups are episodes of any size
         run_id = insert_run(conn, config.run.name,
                             group_size=None if served else config.explorer.n,
-                            model=str(config.model.path), config=config.model_dump(mode="json"))
+                            model=str(config.model.path), config=config.model_dump(mode="json"),
+                            vocab_size=vocabulary)
         if run_id is None:  # it exists (another process may have created it a moment ago)
-            return run_id_of(conn, config.run.name)
+            run_id = run_id_of(conn, config.run.name)
+            if vocabulary is not None:  # made without a model (tasks load), or another model
+                set_vocab_size(conn, run_id, vocabulary)
+            return run_id
         if config.branch is not None:
             _branch(conn, config, run_id)
         else:

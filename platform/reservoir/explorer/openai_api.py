@@ -30,6 +30,7 @@ KNOWN = {"model", "messages", "n", "max_tokens", "max_completion_tokens", "tempe
          "logprobs", "user", "stream", "stream_options", "tools", "tool_choice",
          *NEUTRAL, *IGNORED}
 EPISODE = re.compile(r"[\x21-\x7e]{1,200}")  # printable ASCII, no spaces
+SECRET = re.compile(r"[A-Za-z0-9_-]{16,100}")
 
 
 class ApiError(Exception):
@@ -63,7 +64,16 @@ class ChatRequest:
     episode: str | None
 
 
-def parse_chat(body: Any, *, model: str, temperature: float, max_n: int) -> ChatRequest:
+@dataclass(frozen=True)
+class Limits:
+    """What one call may ask for (serve.max_n, max_messages, max_tools)."""
+
+    n: int = 16
+    messages: int = 1000
+    tools: int = 128
+
+
+def parse_chat(body: Any, *, model: str, temperature: float, limits: Limits) -> ChatRequest:
     """The request, checked; ApiError naming the first bad field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -86,14 +96,17 @@ def parse_chat(body: Any, *, model: str, temperature: float, max_n: int) -> Chat
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)
                                                                    for t in tools)):
         raise bad("tools", "a list of tool objects")
+    if tools is not None and len(tools) > limits.tools:
+        raise bad("tools", f"{len(tools)} tools; this server takes at most {limits.tools} "
+                           "(serve.max_tools)")
     if body.get("tool_choice") not in (None, "auto", "none"):
         raise bad("tool_choice", "only auto or none (the reply comes back as text)")
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
         raise bad("stream_options", "only {include_usage: true|false}")
     return ChatRequest(
-        messages=parse_messages(body.get("messages")),
-        n=_count(body.get("n", 1), "n", 1, max_n),
+        messages=parse_messages(body.get("messages"), limits.messages),
+        n=_count(body.get("n", 1), "n", 1, limits.n),
         max_tokens=_max_tokens(body),
         temperature=temperature, logprobs=_flag(body, "logprobs"), stream=_flag(body, "stream"),
         usage_in_stream=bool((options or {}).get("include_usage")), tools=tools,
@@ -113,10 +126,13 @@ def _episode(value: Any, param: str) -> str | None:
     return value
 
 
-def parse_messages(messages: Any) -> list[dict]:
+def parse_messages(messages: Any, most: int) -> list[dict]:
     """Messages as the chat template takes them (developer -> system, text parts joined)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "a non-empty list of messages")
+    if len(messages) > most:
+        raise bad("messages", f"{len(messages)} messages; this server takes at most {most} "
+                              "(serve.max_messages)")
     parsed = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -157,9 +173,15 @@ def _text(text: str, where: str) -> str:
 
 
 def _number(value: Any, param: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(param, "a finite number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise bad(param, "a finite number (this one is past what a float holds)") from None
+    if not math.isfinite(number):
+        raise bad(param, "a finite number")
+    return number
 
 
 def _count(value: Any, param: str, low: int, high: int) -> int:
@@ -241,35 +263,62 @@ def stream(response: dict, usage_in_stream: bool) -> Iterator[str]:
 @dataclass(frozen=True)
 class Feedback:
     episode: str
+    secret: str | None            # what the episode's first call returned (X-Episode-Secret)
     rewards: list[float] | None   # one per response, or
     reward: float | None          # one for all
     components: dict[str, float]
 
 
-def parse_feedback(body: Any) -> Feedback:
-    """{episode_id, reward | rewards, components?}; ApiError naming the bad field."""
+FEEDBACK_KEYS = {"episode_id", "episode_secret", "reward", "rewards", "components"}
+
+
+def parse_feedback(body: Any, reward_range: tuple[float, float],
+                   secret_header: str | None = None) -> Feedback:
+    """{episode_id, episode_secret (or the X-Episode-Secret header), reward | rewards,
+    components?}, every number in the reward range; ApiError naming the bad field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - {"episode_id", "reward", "rewards", "components"})
+    unknown = sorted(set(body) - FEEDBACK_KEYS)
     if unknown:
-        raise bad(unknown[0], "unrecognized field (episode_id, reward or rewards, components)")
+        raise bad(unknown[0], "unrecognized field (episode_id, episode_secret, reward or "
+                              "rewards, components)")
     episode = _episode(body.get("episode_id"), "episode_id")
     if episode is None:
         raise bad("episode_id", "required: the episode whose calls this rewards")
+    secret = episode_secret(body.get("episode_secret", secret_header), "episode_secret")
+    number = lambda value, param: _reward(value, param, reward_range)  # noqa: E731
     if ("reward" in body) == ("rewards" in body):
         raise bad("reward", "give reward (one for every response) or rewards (one per "
                             "response, in the order they were made)")
     components = body.get("components") or {}
     if not isinstance(components, dict) or "rewards" in body and components:
         raise bad("components", "a {name: number} mapping, with `reward` only")
-    parts = {str(name): _number(value, f"components.{name}") for name, value in components.items()}
+    parts = {str(name): number(value, f"components.{name}") for name, value in components.items()}
     if "rewards" in body:
         rewards = body["rewards"]
         if not isinstance(rewards, list) or not rewards:
             raise bad("rewards", "a non-empty list of numbers")
-        return Feedback(episode, [_number(r, f"rewards[{i}]") for i, r in enumerate(rewards)],
-                        None, {})
-    reward = _number(body["reward"], "reward")
+        return Feedback(episode, secret, [number(r, f"rewards[{i}]")
+                                          for i, r in enumerate(rewards)], None, {})
+    reward = number(body["reward"], "reward")
     if parts and not math.isclose(sum(parts.values()), reward, rel_tol=1e-9, abs_tol=1e-9):
         raise bad("components", f"they sum to {sum(parts.values()):g}, not the reward {reward:g}")
-    return Feedback(episode, None, reward, parts)
+    return Feedback(episode, secret, None, reward, parts)
+
+
+def _reward(value: Any, param: str, reward_range: tuple[float, float]) -> float:
+    low, high = reward_range
+    reward = _number(value, param)
+    if not low <= reward <= high:
+        raise bad(param, f"{reward:g} is outside the reward range [{low:g}, {high:g}] "
+                         "(explorer.reward_range)")
+    return reward
+
+
+def episode_secret(value: Any, param: str) -> str | None:
+    """A secret as the server made it (URL-safe base64), else ApiError; None when absent."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not SECRET.fullmatch(value):
+        raise bad(param, "the secret the episode's first call returned (X-Episode-Secret)")
+    return value

@@ -3,11 +3,18 @@ every call as experience.
 
     POST /v1/chat/completions   sample with the policy; every response is recorded in its
                                 episode (X-Episode-Id header, else the `user` field, else the
-                                call's own id), with token ids, logprobs and policy version
+                                call's own id), with token ids, logprobs and policy version;
+                                the episode's first call returns X-Episode-Secret, which its
+                                later calls and its report must carry
     GET  /v1/models             the one model served (serve.model_name, else the run's name)
-    POST /v1/feedback           {episode_id, reward | rewards}: the episode's responses become
-                                one group of experiences (raw or ready); before, none trains
+    POST /v1/feedback           {episode_id, episode_secret, reward | rewards}: the episode's
+                                responses become one group of experiences (raw or ready);
+                                before, none trains
     GET  /health                the run and the policy version served
+
+No web page can drive it (reservoir.http.Guard): a request's Host must be an address served,
+its Origin absent or the server's own, a POST's body application/json and at most
+serve.max_request_bytes; JSON numbers past float64, NaN and deep nesting are 400s.
 
 Weights follow the trainer: a NOTIFY on the policy channel (or the poll) makes the server load
 the run's latest version in place, between two batches; before the trainer has published the
@@ -32,16 +39,17 @@ from starlette.concurrency import run_in_threadpool
 
 from reservoir.chat import prompt_ids, render
 from reservoir.config import ReservoirConfig
-from reservoir.errors import (ConfigError, EpisodeClosed, EpisodeUnknown, ExperienceInvalid,
-                              FlowControlTimeout)
+from reservoir.errors import (ConfigError, EpisodeClosed, EpisodeForbidden, EpisodeUnknown,
+                              ExperienceInvalid, FlowControlTimeout)
 from reservoir.explorer.batcher import Batcher
-from reservoir.http import is_loopback
+from reservoir.http import Guard, is_loopback, loads, served_hosts
 from reservoir.explorer.engine import Request, make_engine, take_policy
-from reservoir.explorer.openai_api import (ApiError, ChatRequest, bad, completion,
-                                           completion_id, episode_of, finish_reason, parse_chat,
-                                           parse_feedback, stream)
+from reservoir.explorer.openai_api import (ApiError, ChatRequest, Limits, bad, completion,
+                                           completion_id, episode_of, episode_secret,
+                                           finish_reason, parse_chat, parse_feedback, stream)
 from reservoir.store import Store
-from reservoir.store.episodes import Call, closing, open_episode, record_calls, rewarded
+from reservoir.store.episodes import (Call, check_caller, closing, open_episode, record_calls,
+                                      rewarded)
 from reservoir.store.notify import Listener
 from reservoir.store.retry import is_outage
 from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of
@@ -113,17 +121,23 @@ class Server:
             raise ApiError(401, "Incorrect API key provided: pass the server's bearer token "
                                 "(Authorization: Bearer ...)", code="invalid_api_key")
 
-    def chat(self, body, episode_header: str | None) -> tuple[dict, str, ChatRequest]:
-        """(the completion, its episode, the request); the responses are recorded."""
+    def chat(self, body, episode_header: str | None,
+             secret_header: str | None) -> tuple[dict, str, str | None, ChatRequest]:
+        """(the completion, its episode, the secret made when this call opened it, the
+        request); the responses are recorded."""
         explorer, serve = self.config.explorer, self.config.serve
         request = parse_chat(body, model=self.model, temperature=explorer.temperature,
-                             max_n=serve.max_n)
+                             limits=Limits(serve.max_n, serve.max_messages, serve.max_tools))
+        secret = episode_secret(secret_header, "X-Episode-Secret")
         if self.version is None:
             raise ApiError(503, f"run {self.config.run.name!r} has no published policy yet: the "
                                 "trainer publishes version 0 when its first explorer stage "
                                 "begins (start `reservoir train`)", type="server_error",
                            code="no_policy")
         episode = episode_of(episode_header, request)
+        if episode is not None:  # refused before the model works for it
+            with self.store.engine.connect() as conn:
+                check_caller(conn, self.run_id, episode, secret)
         tokenizer = self.batcher.engine.tokenizer
         try:
             ids = prompt_ids(tokenizer, request.messages, tools=request.tools)
@@ -145,14 +159,15 @@ class Server:
                       sample.prompt_ids, sample.response_ids, sample.logprobs,
                       finish_reason(sample)) for index, sample in enumerate(samples)]
         with self.store.engine.begin() as conn:  # the last thing: a failure above stores nothing
-            record_calls(conn, self.run_id, episode, calls)
-        return response, episode, request
+            _, made = record_calls(conn, self.run_id, episode, calls, secret=secret)
+        return response, episode, made, request
 
-    def feedback(self, body) -> dict:
+    def feedback(self, body, secret_header: str | None) -> dict:
         """The episode's responses, rewarded, written as one group; it takes no more calls."""
-        given = parse_feedback(body)
+        given = parse_feedback(body, self.config.explorer.reward_range, secret_header)
         with self.store.engine.connect() as conn:
-            episode = open_episode(conn, self.config.run.name, self.run_id, given.episode)
+            episode = open_episode(conn, self.config.run.name, self.run_id, given.episode,
+                                   given.secret)
         n = len(episode.group)
         rewards = given.rewards or [given.reward] * n
         if len(rewards) != n:
@@ -173,12 +188,21 @@ class Server:
         self.store.close()
 
 
-STATUS = {EpisodeUnknown: 404, EpisodeClosed: 409, ExperienceInvalid: 400,
-          FlowControlTimeout: 429}
+STATUS = {EpisodeUnknown: 404, EpisodeForbidden: 403, EpisodeClosed: 409,
+          ExperienceInvalid: 400, FlowControlTimeout: 429}
 
 
-def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="Reservoir", docs_url=None, redoc_url=None)
+def create_app(server: Server) -> Guard:
+    """The API behind its guard (reservoir.http.Guard), for the address it is served on."""
+    serve = server.config.serve
+    hosts = served_hosts(serve.host, serve.port, serve.allowed_hosts)
+    return Guard(_api(server), hosts=hosts, json_posts=True, max_body=serve.max_request_bytes,
+                 refuse=lambda status, message: JSONResponse(ApiError(status, message).body(),
+                                                             status_code=status))
+
+
+def _api(server: Server) -> FastAPI:
+    app = FastAPI(title="Reservoir", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -192,10 +216,16 @@ def create_app(server: Server) -> FastAPI:
         server.check_token(request.headers.get("authorization"))
 
     async def body_of(request: HttpRequest):
+        limit, body = server.config.serve.max_request_bytes, bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is larger than {limit:,} bytes (the "
+                                    "server's limit)")
         try:
-            return await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
+            return loads(bytes(body))
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
     @app.get("/v1/models")
     def models(request: HttpRequest) -> dict:
@@ -207,10 +237,13 @@ def create_app(server: Server) -> FastAPI:
     async def chat(request: HttpRequest):
         authorised(request)
         body = await body_of(request)
-        response, episode, asked = await _outage_is_503(
-            server.chat, body, request.headers.get("x-episode-id"))
+        response, episode, secret, asked = await _outage_is_503(
+            server.chat, body, request.headers.get("x-episode-id"),
+            request.headers.get("x-episode-secret"))
         headers = {"X-Episode-Id": episode, "X-Reservoir-Policy-Version":
                    response["system_fingerprint"].removeprefix("reservoir-v")}
+        if secret is not None:
+            headers["X-Episode-Secret"] = secret
         if asked.stream:
             return StreamingResponse(stream(response, asked.usage_in_stream),
                                      media_type="text/event-stream", headers=headers)
@@ -219,7 +252,8 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/feedback")
     async def feedback(request: HttpRequest) -> dict:
         authorised(request)
-        return await _outage_is_503(server.feedback, await body_of(request))
+        return await _outage_is_503(server.feedback, await body_of(request),
+                                    request.headers.get("x-episode-secret"))
 
     @app.get("/health")
     def health() -> dict:

@@ -1,7 +1,9 @@
 """Queries on served episodes: the calls an agent makes through `reservoir serve`, kept until
 its reward comes, then written as one group of experiences.
 
-An episode is named by the client (unique within the run) and is `open` while calls come in:
+An episode is named by the client (unique within the run) and bound to it: its first call
+makes a secret (returned once, kept as its SHA-256), and a later call or the report naming the
+episode is taken only with it (EpisodeForbidden). It is `open` while calls come in:
 every response of every call is an `episode_calls` row (prompt and response ids, logprobs, the
 policy version and temperature that made it). `report` writes the episode's responses as one
 group (raw or ready, through the writer: the same checks and counters as an explorer's) and, in
@@ -12,6 +14,9 @@ gets a reward never trains.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Sequence
@@ -21,7 +26,7 @@ from sqlalchemy import Connection, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from reservoir.errors import EpisodeClosed, EpisodeUnknown, StoreError
+from reservoir.errors import EpisodeClosed, EpisodeForbidden, EpisodeUnknown, StoreError
 from reservoir.store import codec
 from reservoir.store.records import Experience
 from reservoir.store.schema import episode_calls, episodes
@@ -66,14 +71,46 @@ def as_group(calls: Sequence[Call], *, run: str, task_id: int | None,
                             episode=episode) for call in calls]
 
 
-def record_calls(conn: Connection, run_id: int, key: str, calls: Sequence[Call]) -> int:
-    """Add a call's responses to the episode (opened by its first call); returns the episode's
-    id. EpisodeClosed if its reward was reported already."""
-    conn.execute(pg_insert(episodes).values(run_id=run_id, key=key)
-                 .on_conflict_do_nothing(constraint="episodes_run_key"))
-    episode_id, status = conn.execute(
-        select(episodes.c.id, episodes.c.status)
+def _digest(secret: str | None) -> bytes | None:
+    return None if secret is None else hashlib.sha256(secret.encode()).digest()
+
+
+def _check_client(key: str, kept: bytes | None, secret: str | None) -> None:
+    """EpisodeForbidden unless `secret` is the episode's (an episode opened before secrets
+    were kept has none, and takes any client)."""
+    if kept is not None and not (secret is not None
+                                 and hmac.compare_digest(kept, _digest(secret))):
+        raise EpisodeForbidden(f"episode {key!r} belongs to the client that opened it: send "
+                               "the X-Episode-Secret its first call returned")
+
+
+def check_caller(conn: Connection, run_id: int, key: str, secret: str | None) -> None:
+    """Before any work for a call: EpisodeClosed or EpisodeForbidden if the episode exists and
+    will not take it (`record_calls` checks again, holding the episode)."""
+    found = conn.execute(select(episodes.c.status, episodes.c.secret_sha256).where(
+        episodes.c.run_id == run_id, episodes.c.key == key)).one_or_none()
+    if found is not None:
+        _check_client(key, found.secret_sha256, secret)
+        if found.status != "open":
+            raise EpisodeClosed(f"episode {key!r} was reported already: it takes no more calls "
+                                "(start a new episode id)")
+
+
+def record_calls(conn: Connection, run_id: int, key: str, calls: Sequence[Call], *,
+                 secret: str | None = None) -> tuple[int, str | None]:
+    """Add a call's responses to the episode: (its id, the secret made for it when this call
+    opened it, else None). EpisodeForbidden without the episode's secret, EpisodeClosed if its
+    reward was reported already."""
+    fresh = secrets.token_urlsafe(24)
+    opened = conn.execute(pg_insert(episodes).values(run_id=run_id, key=key,
+                                                     secret_sha256=_digest(fresh))
+                          .on_conflict_do_nothing(constraint="episodes_run_key")
+                          .returning(episodes.c.id)).scalar()
+    episode_id, status, kept = conn.execute(
+        select(episodes.c.id, episodes.c.status, episodes.c.secret_sha256)
         .where(episodes.c.run_id == run_id, episodes.c.key == key).with_for_update()).one()
+    if opened is None:
+        _check_client(key, kept, secret)
     if status != "open":
         raise EpisodeClosed(f"episode {key!r} was reported already: it takes no more calls "
                             "(start a new episode id)")
@@ -85,7 +122,7 @@ def record_calls(conn: Connection, run_id: int, key: str, calls: Sequence[Call])
         "response_ids": codec.encode(call.response_ids, codec.TOKEN),
         "logprobs": codec.encode(call.logprobs, codec.LOGPROB),
         "finish_reason": call.finish_reason} for call in calls])
-    return episode_id
+    return episode_id, fresh if opened is not None else None
 
 
 @dataclass(frozen=True)
@@ -96,13 +133,16 @@ class OpenEpisode:
     group: list[Experience]  # the responses as experiences (rewards filled in by `rewarded`)
 
 
-def open_episode(conn: Connection, run: str, run_id: int, key: str) -> OpenEpisode:
+def open_episode(conn: Connection, run: str, run_id: int, key: str,
+                 secret: str | None = None) -> OpenEpisode:
     """The episode's recorded responses as a group of the run (`as_group`).
-    EpisodeUnknown / EpisodeClosed."""
-    found = conn.execute(select(episodes.c.id, episodes.c.status).where(
-        episodes.c.run_id == run_id, episodes.c.key == key)).one_or_none()
+    EpisodeUnknown / EpisodeForbidden (without its secret) / EpisodeClosed."""
+    found = conn.execute(select(episodes.c.id, episodes.c.status, episodes.c.secret_sha256)
+                         .where(episodes.c.run_id == run_id, episodes.c.key == key)
+                         ).one_or_none()
     if found is None:
         raise EpisodeUnknown(f"episode {key!r}: run {run!r} has no calls of it")
+    _check_client(key, found.secret_sha256, secret)
     if found.status != "open":
         raise EpisodeClosed(f"episode {key!r}: its reward was reported already")
     rows = conn.execute(select(episode_calls).where(episode_calls.c.episode_id == found.id)

@@ -17,21 +17,22 @@ from reservoir.store.usersql import Result
 
 
 def run_sql(url: str, sql: str, *, params: dict[str, Any] | None = None, write: bool = False,
-            reader_url: str | None = None,
-            timeout_s: float = usersql.DEFAULT_TIMEOUT_S) -> Result:
-    """Run one statement: read-only as the reader, or with `write` as the store's owner."""
+            reader_url: str | None = None, timeout_s: float = usersql.DEFAULT_TIMEOUT_S,
+            max_rows: int | None = None, sink: usersql.Sink | None = None) -> Result:
+    """Run one statement: read-only as the reader, or with `write` as the store's owner; rows
+    past `max_rows` are counted, not kept, or stream to `sink` (usersql.fetch)."""
     from reservoir.store import roles
 
     target = roles.working_url(url) if write else urls.reader_url(url, reader_url)
-    return asyncio.run(_queries(target, [(sql, params or {})], write=write,
-                                timeout_s=timeout_s))[0]
+    return asyncio.run(_queries(target, [(sql, params or {})], write=write, timeout_s=timeout_s,
+                                max_rows=max_rows, sink=sink))[0]
 
 
 async def _queries(url: str, statements: list[tuple[str, dict]], *, write: bool = False,
-                   timeout_s: float = usersql.DEFAULT_TIMEOUT_S) -> list[Result]:
+                   timeout_s: float = usersql.DEFAULT_TIMEOUT_S, **streaming) -> list[Result]:
     async with direct.connect(url) as conn:
-        return [await usersql.run(conn, sql, values, write=write, timeout_s=timeout_s)
-                for sql, values in statements]
+        return [await usersql.run(conn, sql, values, write=write, timeout_s=timeout_s,
+                                  **streaming) for sql, values in statements]
 
 
 RUN_SUMMARY = "SELECT * FROM analytics.runs WHERE run = :run"

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from reservoir.config import DEFAULT_REWARD_RANGE
 from reservoir.errors import ExperienceInvalid
 from reservoir.store import codec
 
@@ -79,6 +80,15 @@ class _RowChecker:
 
     def __init__(self, group_index: int, row_index: int, exp: Experience):
         self.group_index, self.row_index, self.exp = group_index, row_index, exp
+
+    def in_range(self, field_name: str, value: Any, reward_range: tuple[float, float]) -> None:
+        """A finite number inside the reward range."""
+        low, high = reward_range
+        if not _finite_number(value):
+            self.fail(field_name, value, "must be a finite number")
+        if not low <= value <= high:
+            self.fail(field_name, value, f"must lie in the reward range [{low:g}, {high:g}] "
+                      "(explorer.reward_range)")
 
     def fail(self, field_name: str, value: Any, rule: str) -> None:
         shown = repr(value)
@@ -145,12 +155,16 @@ class _RowChecker:
                                   or not 1 <= value <= INT64_MAX):
             self.fail(field_name, value, "must be a positive integer id or None")
 
-    def values(self, row: _Shaped) -> None:
+    def values(self, row: _Shaped, vocab_size: int | None = None) -> None:
         """The value checks, row by row: run only to find the row a group check rejected."""
         for name in ("prompt_ids", "response_ids"):
             array = getattr(row, name)
             if array.size and (array.min() < 0 or array.max() > INT32_MAX):
                 self.fail(name, getattr(self.exp, name), "token ids must lie in [0, 2**31)")
+            if vocab_size is not None and array.size and array.max() >= vocab_size:
+                self.fail(name, getattr(self.exp, name), f"token ids must be below "
+                          f"{vocab_size}: run {self.exp.run!r} has a vocabulary of "
+                          f"{vocab_size} tokens")
         if row.logprobs is not None and not np.isfinite(row.logprobs).all():
             self.fail("logprobs", self.exp.logprobs, "logprobs must be finite as float32")
         if row.logprobs is not None and row.logprobs.size and row.logprobs.max() > 0:
@@ -165,24 +179,22 @@ def _finite_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _shape_row(exp: Experience, check: _RowChecker) -> _Shaped:
+def _shape_row(exp: Experience, check: _RowChecker, reward_range: tuple[float, float]) -> _Shaped:
     check.text("prompt_text", exp.prompt_text)
     if not check.text("response_text", exp.response_text).strip():
         check.fail("response_text", exp.response_text, "the response must not be empty")
     check.optional_id("parent_id", exp.parent_id)
-    prompt_ids = check.tokens("prompt_ids", exp.prompt_ids, non_empty=False)
+    prompt_ids = check.tokens("prompt_ids", exp.prompt_ids, non_empty=True)
     response_ids = check.tokens("response_ids", exp.response_ids, non_empty=True)
     logprobs = check.per_token("logprobs", exp.logprobs, response_ids.size, "f")
     mask = check.per_token("action_mask", exp.action_mask, response_ids.size, "i")
-    if not _finite_number(exp.reward):
-        check.fail("reward", exp.reward, "reward must be a finite number")
+    check.in_range("reward", exp.reward, reward_range)
     if type(exp.reward_components) is not dict:
         check.fail("reward_components", exp.reward_components, "must be a dict of name: number")
     for name, value in exp.reward_components.items():
         if type(name) is not str:
             check.fail("reward_components", exp.reward_components, "names must be text")
-        if not _finite_number(value):
-            check.fail(f"reward_components.{name}", value, "components must be finite numbers")
+        check.in_range(f"reward_components.{name}", value, reward_range)
     if (isinstance(exp.policy_version, bool) or not isinstance(exp.policy_version, numbers.Integral)
             or not 0 <= exp.policy_version <= INT32_MAX):
         check.fail("policy_version", exp.policy_version, "must be an integer in [0, 2**31)")
@@ -201,12 +213,14 @@ def _components_json(components: dict[str, float]) -> str:
     return "{" + ",".join(f"{_json_key(k)}:{float(v)!r}" for k, v in components.items()) + "}"
 
 
-def values_ok(rows: list[_Shaped]) -> bool:
-    """Token ranges, finite logprobs and 0/1 masks of many rows, in a few array passes."""
+def values_ok(rows: list[_Shaped], vocab_size: int | None = None) -> bool:
+    """Token ranges (below `vocab_size` when given), finite logprobs and 0/1 masks of many
+    rows, in a few array passes."""
     if not rows:
         return True
     tokens = np.concatenate([a for row in rows for a in (row.prompt_ids, row.response_ids)])
-    if tokens.size and (tokens.min() < 0 or (tokens.dtype != np.int32 and tokens.max() > INT32_MAX)):
+    if tokens.size and (tokens.min() < 0 or (tokens.dtype != np.int32 and tokens.max() > INT32_MAX)
+                        or (vocab_size is not None and tokens.max() >= vocab_size)):
         return False
     logprobs = [row.logprobs for row in rows if row.logprobs is not None]
     if logprobs:
@@ -231,11 +245,11 @@ class ShapedGroup:
     index: int
     rows: list[_Shaped]
 
-    def check_values(self) -> None:
+    def check_values(self, vocab_size: int | None = None) -> None:
         """Find and raise the row a batch-wide `values_ok` rejected (slow path)."""
-        if not values_ok(self.rows):
+        if not values_ok(self.rows, vocab_size):
             for row_index, (exp, row) in enumerate(zip(self.group, self.rows)):
-                _RowChecker(self.index, row_index, exp).values(row)
+                _RowChecker(self.index, row_index, exp).values(row, vocab_size)
 
     def encode(self) -> list[tuple]:
         """Column values in ROW_COLUMNS order."""
@@ -249,11 +263,14 @@ class ShapedGroup:
         ]
 
 
-def shape_group(group: Sequence[Experience], group_index: int) -> ShapedGroup:
-    """Check a group's structure (shapes, types, texts, rewards, JSON); raises ExperienceInvalid."""
+def shape_group(group: Sequence[Experience], group_index: int,
+                reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE) -> ShapedGroup:
+    """Check a group's structure (shapes, types, texts, rewards in their range, JSON); raises
+    ExperienceInvalid."""
     check_group_shape(group, group_index)
     return ShapedGroup(group, group_index, [
-        _shape_row(exp, _RowChecker(group_index, i, exp)) for i, exp in enumerate(group)])
+        _shape_row(exp, _RowChecker(group_index, i, exp), reward_range)
+        for i, exp in enumerate(group)])
 
 
 def check_group_shape(group: Sequence[Experience], group_index: int) -> None:

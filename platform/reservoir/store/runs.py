@@ -17,14 +17,15 @@ from reservoir.store.urls import scrub
 
 
 def insert_run(conn: Connection, name: str, *, group_size: int | None = None,
-               model: str | None = None, config: dict[str, Any] | None = None) -> int | None:
+               model: str | None = None, config: dict[str, Any] | None = None,
+               vocab_size: int | None = None) -> int | None:
     """Insert a run and return its id; None if a run of that name exists (a concurrent insert
     of the same name waits for the first to commit, then gets None). Passwords in URLs inside
     the config are removed: the reader can read runs.config. Its partitions are attached,
     which waits for no reader (ATTACH takes SHARE UPDATE EXCLUSIVE on the parents) and at most
     10 s for a session with rights on the experience or ledger tables."""
     stmt = (pg_insert(runs).values(name=name, group_size=group_size, model=model,
-                                   config=scrub(config or {}))
+                                   config=scrub(config or {}), vocab_size=vocab_size)
             .on_conflict_do_nothing(index_elements=["name"]).returning(runs.c.id))
     try:
         return conn.execute(stmt).scalar()
@@ -35,6 +36,13 @@ def insert_run(conn: Connection, name: str, *, group_size: int | None = None,
         raise StoreError(f"run {name!r} was not created: attaching its partitions waited 10 s "
                          f"for the experience and ledger tables, {held}; try again when it "
                          "ends") from None
+
+
+def set_vocab_size(conn: Connection, run_id: int, vocab_size: int) -> None:
+    """Record the run's model's vocabulary (a run made before a model was named has none)."""
+    conn.execute(update(runs).where(runs.c.id == run_id,
+                                    runs.c.vocab_size.is_distinct_from(vocab_size))
+                 .values(vocab_size=vocab_size))
 
 
 def set_parent(conn: Connection, run_id: int, parent_id: int, step: int) -> None:
@@ -53,9 +61,10 @@ def parent_of(conn: Connection, run_id: int) -> tuple[int, int] | None:
 
 def create_run(conn: Connection, name: str, *, group_size: int | None = None,
                model: str | None = None, config: dict[str, Any] | None = None,
-               exist_ok: bool = False) -> int:
+               vocab_size: int | None = None, exist_ok: bool = False) -> int:
     """Insert a run and return its id; with exist_ok, return the id of an existing one."""
-    run_id = insert_run(conn, name, group_size=group_size, model=model, config=config)
+    run_id = insert_run(conn, name, group_size=group_size, model=model, config=config,
+                        vocab_size=vocab_size)
     if run_id is not None:
         return run_id
     if exist_ok:

@@ -68,8 +68,10 @@ runs = Table(
     Column("parent_step", Integer),
     _now(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("vocab_size", Integer),  # the model's: the writer refuses token ids at or past it
     CheckConstraint(f"status IN {RUN_STATUSES}", name="runs_status_valid"),
     CheckConstraint("group_size IS NULL OR group_size > 0", name="runs_group_size_positive"),
+    CheckConstraint("vocab_size IS NULL OR vocab_size > 0", name="runs_vocab_size_positive"),
 )
 
 tasks = Table(
@@ -408,7 +410,9 @@ episodes = Table(
     Column("group_id", UUID(as_uuid=True)),
     _now(),
     Column("reported_at", DateTime(timezone=True)),
+    Column("secret_sha256", LargeBinary),  # of the secret its first call returned
     CheckConstraint(f"status IN {EPISODE_STATUSES}", name="episodes_status_valid"),
+    CheckConstraint("octet_length(secret_sha256) = 32", name="episodes_secret_sha256_length"),
     CheckConstraint("(status = 'reported') = (reported_at IS NOT NULL)",
                     name="episodes_reported_iff_time"),
     UniqueConstraint("run_id", "key", name="episodes_run_key"),

@@ -18,7 +18,8 @@ from rich.console import Console
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from reservoir.config import ReservoirConfig, SamplerConfig
+from reservoir.config import (DEFAULT_REWARD_RANGE, ReservoirConfig, SamplerConfig,
+                              check_reward_range)
 from reservoir.store import engine as engines
 from reservoir.store import ledger, preferences, runs, sampler, writer
 from reservoir.store import migrate as migrations
@@ -31,11 +32,12 @@ from reservoir.store.writer import WriteResult
 
 
 class AsyncStore:
-    def __init__(self, url: str, flow: SamplerConfig, sync: Engine) -> None:
+    def __init__(self, url: str, flow: SamplerConfig, sync: Engine,
+                 reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE) -> None:
         self.engine: AsyncEngine = engines.async_engine(url)
         # leases and step commits: statements with their runs in their SQL, plans kept
         self.leases: AsyncEngine = engines.async_engine(url, kept_plans=True)
-        self.flow = flow
+        self.flow, self.reward_range = flow, check_reward_range(*reward_range)
         self._sync = sync
         self._run_ids: dict[str, int] = {}
 
@@ -53,7 +55,8 @@ class AsyncStore:
                            on_invalid: Literal["raise", "skip"] = "raise",
                            before_copy=None) -> WriteResult:
         return await writer.write_groups(self.engine, groups, flow=self.flow, status=status,
-                                         on_invalid=on_invalid, before_copy=before_copy)
+                                         on_invalid=on_invalid, before_copy=before_copy,
+                                         reward_range=self.reward_range)
 
     async def lease(self, run: str | Sequence[str], *, rows: int | None = None,
                     groups: int | None = None, min_policy_version: int | None = None,
@@ -146,11 +149,12 @@ def _blocking(coroutine_function):
 class Store:
     """Blocking access to the store; `store.aio` is the async core, `store.engine` psycopg2."""
 
-    def __init__(self, url: str, flow: SamplerConfig | None = None) -> None:
+    def __init__(self, url: str, flow: SamplerConfig | None = None,
+                 reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE) -> None:
         self.url = url
         self.engine: Engine = engines.sync_engine(url)
         self._loop = LoopThread()
-        self.aio = AsyncStore(url, flow or SamplerConfig(), self.engine)
+        self.aio = AsyncStore(url, flow or SamplerConfig(), self.engine, reward_range)
 
     @classmethod
     def open(cls, config: ReservoirConfig | None = None, *, quiet: bool = False,
@@ -159,7 +163,8 @@ class Store:
         Reservoir's schema only with `migrate` (commands meant to change the schema); without,
         it is an error that changes nothing. An old schema is always an error."""
         config = config or ReservoirConfig()
-        store = cls(engines.resolve_url(config.store), config.sampler)
+        store = cls(engines.resolve_url(config.store), config.sampler,
+                    config.explorer.reward_range)
         try:
             upgraded_to = migrations.ensure_schema(store.engine, create=migrate)
         except BaseException:
@@ -176,10 +181,11 @@ class Store:
         return self.aio.flow
 
     def create_run(self, name: str, *, group_size: int | None = None, model: str | None = None,
-                   config: dict[str, Any] | None = None, exist_ok: bool = False) -> int:
+                   config: dict[str, Any] | None = None, vocab_size: int | None = None,
+                   exist_ok: bool = False) -> int:
         with self.engine.begin() as conn:
             return runs.create_run(conn, name, group_size=group_size, model=model,
-                                   config=config, exist_ok=exist_ok)
+                                   config=config, vocab_size=vocab_size, exist_ok=exist_ok)
 
     def step_committed(self, run: str, step: int) -> bool:
         """Whether the run's step is in the ledger (a commit whose answer was lost)."""

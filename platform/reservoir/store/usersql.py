@@ -28,7 +28,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from reservoir.errors import StoreError
 
@@ -324,6 +324,7 @@ class Result:
     types: list[str]
     rows: list[tuple[Any, ...]]
     status: str  # the server's command tag, e.g. "SELECT 3" or "UPDATE 5"
+    more: int = 0  # rows the statement gave past `max_rows`, counted and not kept
 
     @property
     def rowcount(self) -> int:
@@ -358,11 +359,18 @@ async def transaction(conn, *, write: bool = False, timeout_s: float = DEFAULT_T
         await tx.rollback()
 
 
+Sink = Callable[[list[str], list[tuple]], None]  # (columns, a batch of rows) as they come
+STREAM_BATCH = 1000  # rows a cursor fetches at a time
+
+
 async def fetch(conn, sql: str, values: dict[str, Any] | None = None, *, write: bool = False,
-                template: str = "{sql}", fixed: Sequence[Any] = ()) -> Result:
+                template: str = "{sql}", fixed: Sequence[Any] = (), max_rows: int | None = None,
+                sink: Sink | None = None) -> Result:
     """Prepare and run one statement inside `transaction`. With a `template` (trusted SQL
     whose `{sql}` the user's text fills), `fixed` are the values of the template's own
-    $1..$k, and the user's :names are numbered after them."""
+    $1..$k, and the user's :names are numbered after them. With `max_rows` or a `sink`, rows
+    stream through a cursor: the first `max_rows` are kept and the rest only counted, or every
+    batch goes to the sink (never all of them in memory)."""
     first = len(fixed) + 1
     standard = conn.get_settings().standard_conforming_strings == "on"
     if template != "{sql}":  # read with the server's own setting, whatever a check said before
@@ -390,20 +398,47 @@ async def fetch(conn, sql: str, values: dict[str, Any] | None = None, *, write: 
         parameters = statement.get_parameters()[len(fixed):]
         args = [convert(name, values[name], parameter.name, parameter.kind)
                 for name, parameter in zip(bound.names, parameters)]
-        records = await statement.fetch(*fixed, *args)
+        attributes = statement.get_attributes()
+        columns = [a.name for a in attributes]
+        if attributes and (max_rows is not None or sink is not None):
+            rows, more = await _stream(statement, [*fixed, *args], columns, max_rows, sink)
+            status = f"SELECT {len(rows) + more}"
+        else:
+            rows = [tuple(record) for record in await statement.fetch(*fixed, *args)]
+            status, more = statement.get_statusmsg(), 0
     except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise UserSQLError(f"SQL failed: {_named(describe(exc), bound.names, first)}; "
                            "nothing was changed") from None
-    attributes = statement.get_attributes()
-    return Result([a.name for a in attributes], [a.type.name for a in attributes],
-                  [tuple(record) for record in records], statement.get_statusmsg())
+    return Result(columns, [a.type.name for a in attributes], rows, status, more)
+
+
+async def _stream(statement, args: list, columns: list[str], max_rows: int | None,
+                  sink: Sink | None) -> tuple[list[tuple], int]:
+    """(rows kept, rows past max_rows or handed to the sink) of a statement's cursor."""
+    kept: list[tuple] = []
+    batch: list[tuple] = []
+    passed = 0
+    async for record in statement.cursor(*args, prefetch=STREAM_BATCH):
+        if sink is None and (max_rows is None or len(kept) < max_rows):
+            kept.append(tuple(record))
+            continue
+        passed += 1
+        if sink is not None:
+            batch.append(tuple(record))
+            if len(batch) == STREAM_BATCH:
+                sink(columns, batch)
+                batch = []
+    if sink is not None:
+        sink(columns, batch)
+    return kept, passed
 
 
 async def run(conn, sql: str, values: dict[str, Any] | None = None, *, write: bool = False,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> Result:
-    """One statement in its own transaction (see the module's rules)."""
+              timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int | None = None,
+              sink: Sink | None = None) -> Result:
+    """One statement in its own transaction (see the module's rules and `fetch`)."""
     async with transaction(conn, write=write, timeout_s=timeout_s):
-        return await fetch(conn, sql, values, write=write)
+        return await fetch(conn, sql, values, write=write, max_rows=max_rows, sink=sink)
 
 
 def _named(message: str, names: Sequence[str], first: int) -> str:

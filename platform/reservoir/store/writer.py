@@ -31,7 +31,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from reservoir.config import SamplerConfig
+from reservoir.config import DEFAULT_REWARD_RANGE, SamplerConfig
 from reservoir.errors import ExperienceInvalid, FlowControlTimeout, StoreError
 from reservoir.store import partitions, retry, runs
 from reservoir.store.engine import REUSE_PLANS
@@ -50,11 +50,16 @@ COPY_STATE_COLUMNS = ("id", "run_id", "policy_version", "status")
 # known, so its lookup plans every run's partition (12 ms on a store of 200 runs, even for no
 # parent): the statement has it only when a row names a parent.
 _LOOKUP = """
-WITH named AS (SELECT id, name, group_size FROM runs WHERE name = ANY(CAST(:names AS text[]))),
+WITH named AS (SELECT id, name, group_size, vocab_size,
+                      (SELECT coalesce(max(version), 0) FROM policy_versions v
+                       WHERE v.run_id = runs.id) AS published
+               FROM runs WHERE name = ANY(CAST(:names AS text[]))),
 parents AS ({parents})
 SELECT ARRAY(SELECT name FROM named ORDER BY id) AS names,
        ARRAY(SELECT id FROM named ORDER BY id) AS run_ids,
        ARRAY(SELECT group_size FROM named ORDER BY id) AS group_sizes,
+       ARRAY(SELECT vocab_size FROM named ORDER BY id) AS vocab_sizes,
+       ARRAY(SELECT published FROM named ORDER BY id) AS published,
        ARRAY(SELECT CAST(group_id AS text) FROM experience_groups
              WHERE group_id = ANY(CAST(CAST(:groups AS text[]) AS uuid[]))) AS taken,
        ARRAY(SELECT id FROM parents ORDER BY id) AS parent_ids,
@@ -78,10 +83,22 @@ class WriteResult:
 
 
 @dataclass(frozen=True)
+class _Run:
+    """What the writer checks a group against: its run's id, declared group size, its model's
+    vocabulary and the latest policy version it published (0 before any)."""
+
+    id: int
+    group_size: int | None
+    vocab_size: int | None
+    published: int
+
+
+@dataclass(frozen=True)
 class _CheckedGroup:
     run_id: int
     group_id: uuid.UUID
     shaped: ShapedGroup
+    vocab_size: int | None
 
 
 async def write_groups(
@@ -92,11 +109,13 @@ async def write_groups(
     status: Literal["raw", "ready"] = "ready",
     on_invalid: Literal["raise", "skip"] = "raise",
     before_copy: Callable[[AsyncConnection], Awaitable[None]] | None = None,
+    reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE,
 ) -> WriteResult:
     """Write groups in one transaction. With on_invalid="skip", bad groups are returned, not raised.
 
-    Every group is checked before it is committed: its structure, run, size and id before the
-    transaction, its rows (types, texts, rewards, JSON) and values (token ranges, finite
+    Every group is checked before it is committed: its structure, run, size, id and policy
+    version (one the run published) before the transaction, its rows (types, texts, rewards
+    in `reward_range`, JSON) and values (token ranges and the run's vocabulary, finite
     logprobs, 0/1 masks, one pass per chunk of groups) while the COPY streams. A bad group in
     "raise" mode raises ExperienceInvalid and the transaction rolls back: nothing is written.
     `before_copy(conn)` runs in the same transaction before the rows go in (what must commit
@@ -126,7 +145,7 @@ async def write_groups(
                 return result
             if before_copy is not None:
                 await before_copy(conn)
-            stream = _Stream(admitted, parent_runs, on_invalid, result)
+            stream = _Stream(admitted, parent_runs, on_invalid, result, reward_range)
             await _copy(conn, stream, ids, status)
             written = sorted(stream.rows_per_run().items())
             counted = (await conn.execute(runs.INSERTED_AND_NOTIFY, {
@@ -204,7 +223,7 @@ async def _copy(conn: AsyncConnection, stream: "_Stream", ids: list[int], status
 def _tables(stream: "_Stream") -> tuple[str, str]:
     """(data, state) tables to COPY into: the run's partitions when every row is of one run
     (the server routes no row), else the partitioned tables."""
-    run_ids = {group.run_id for group in stream.admitted}
+    run_ids = {group.run.id for group in stream.admitted}
     tables = ("experience_data", "experience_state")
     if len(run_ids) != 1:
         return tables
@@ -215,7 +234,7 @@ def _tables(stream: "_Stream") -> tuple[str, str]:
 @dataclass(frozen=True)
 class _Admitted:
     index: int
-    run_id: int
+    run: _Run
     group_id: uuid.UUID
     rows: Sequence[Experience]
 
@@ -227,9 +246,9 @@ class _Stream:
     CHUNK_GROUPS = 16  # values are checked in one vectorised pass per chunk
 
     def __init__(self, admitted: list[_Admitted], parent_runs: dict[int, int], on_invalid: str,
-                 result: WriteResult):
+                 result: WriteResult, reward_range: tuple[float, float]):
         self.admitted, self.on_invalid, self.result = admitted, on_invalid, result
-        self.parent_runs = parent_runs
+        self.parent_runs, self.reward_range = parent_runs, reward_range
         self.accepted: list[_CheckedGroup] = []
         self.error: ExperienceInvalid | None = None
 
@@ -264,18 +283,21 @@ class _Stream:
         shaped = []
         for group in chunk:
             try:
-                shaped.append(_CheckedGroup(group.run_id, group.group_id,
-                                            shape_group(group.rows, group.index)))
+                shaped.append(_CheckedGroup(
+                    group.run.id, group.group_id,
+                    shape_group(group.rows, group.index, self.reward_range), group.run.vocab_size))
             except ExperienceInvalid as exc:
                 if not self._reject(exc):
                     return None
             await asyncio.sleep(0)
-        if values_ok([row for group in shaped for row in group.shaped.rows]):
+        vocab_sizes = [group.vocab_size for group in shaped if group.vocab_size is not None]
+        if values_ok([row for group in shaped for row in group.shaped.rows],
+                     min(vocab_sizes, default=None)):
             return shaped
         passing = []
         for group in shaped:  # slow path: find the groups with bad values
             try:
-                group.shaped.check_values()
+                group.shaped.check_values(group.vocab_size)
                 passing.append(group)
             except ExperienceInvalid as exc:
                 if not self._reject(exc):
@@ -343,22 +365,21 @@ def _is_id(value) -> bool:
 
 async def _lookup(conn: AsyncConnection, names: list[str], group_ids: list[uuid.UUID],
                   parents: list[int], rows: int):
-    """The runs by name ({name: (id, group size)}), which of the given group ids already
-    exist, the parents' runs ({experience id: run id}) and `rows` new ids, in one statement."""
+    """The runs by name ({name: _Run}), which of the given group ids already exist, the
+    parents' runs ({experience id: run id}) and `rows` new ids, in one statement."""
     if not names:
         return {}, set(), {}, []
     params = {"names": names, "groups": [str(group) for group in group_ids], "n": rows}
     if parents:
         params["parents"] = [str(parent) for parent in parents]
     found = (await conn.execute(LOOKUP if parents else LOOKUP_NO_PARENTS, params)).one()
-    run_info = {name: (run_id, size)
-                for name, run_id, size in zip(found.names, found.run_ids, found.group_sizes)}
+    run_info = {name: _Run(*values) for name, *values in zip(
+        found.names, found.run_ids, found.group_sizes, found.vocab_sizes, found.published)}
     return (run_info, {uuid.UUID(group) for group in found.taken},
             dict(zip(found.parent_ids, found.parent_runs)), found.ids)
 
 
-def _admit(group: Sequence[Experience], index: int,
-           run_info: dict[str, tuple[int, int | None]]) -> _Admitted:
+def _admit(group: Sequence[Experience], index: int, run_info: dict[str, _Run]) -> _Admitted:
     check_group_shape(group, index)
     first = group[0]
     if first.run not in run_info:
@@ -366,13 +387,20 @@ def _admit(group: Sequence[Experience], index: int,
             f"group {index} row 0: field 'run' = {first.run!r}: the run does not exist "
             "(create it first); nothing of this group was written",
             group_index=index, row_index=0, field="run")
-    run_id, group_size = run_info[first.run]
-    if group_size is not None and len(group) != group_size:
+    run = run_info[first.run]
+    if run.group_size is not None and len(group) != run.group_size:
         raise ExperienceInvalid(
             f"group {index}: {len(group)} rows, but run {first.run!r} declares group_size "
-            f"{group_size}; nothing of this group was written",
+            f"{run.group_size}; nothing of this group was written",
             group_index=index, row_index=None, field="group_size")
-    return _Admitted(index, run_id, first.group_id or uuid.uuid4(), group)
+    version = first.policy_version
+    if isinstance(version, int) and not isinstance(version, bool) and version > run.published:
+        raise ExperienceInvalid(
+            f"group {index} row 0: field 'policy_version' = {version}: run {first.run!r} has "
+            f"published no version past {run.published} (a row is made by published weights); "
+            "nothing of this group was written", group_index=index, row_index=0,
+            field="policy_version")
+    return _Admitted(index, run, first.group_id or uuid.uuid4(), group)
 
 
 async def _rows_per_run(engine: AsyncEngine, groups) -> Counter:

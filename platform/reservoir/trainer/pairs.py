@@ -62,5 +62,6 @@ def preference_step(model, optimizer, batch: TrainBatch, algorithm: Algorithm, *
     if ranks.world > 1:
         sum_gradients(model, ranks)
         sums = sum_metrics(sums, ranks, model)
-    return {**optimizer_step(model, optimizer, max_grad_norm, "grad_norm"), **sums,
+    stepped = optimizer_step([(model, optimizer, "grad_norm")], sums["loss"], max_grad_norm)
+    return {**stepped, **sums,
             "pairs": float(pairs), "train_tokens": float(batch.mask.sum())}

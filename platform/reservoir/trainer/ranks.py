@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from reservoir.config import ReservoirConfig
 from reservoir.devices import resolve_device
-from reservoir.errors import RankLost, ReservoirError
+from reservoir.errors import RankLost, ReservoirError, StepNotFinite
 from reservoir.store import Store
 from reservoir.store.runs import run_id_of
 from reservoir.trainer.batch import TrainBatch, make_batch
@@ -200,7 +200,7 @@ class _Busy:
         self.pool.busy = bool(self.pool.followers)
 
     def __exit__(self, kind, error, traceback) -> None:
-        if kind is None:
+        if kind is None or issubclass(kind, StepNotFinite):  # every rank refused it alike
             self.pool.busy = False
         elif issubclass(kind, RankLost):
             self.pool._raise_if_a_rank_died(error, self.doing)
@@ -275,7 +275,10 @@ class _Follower:
             if command == LOAD:
                 self.load(Path(bytes(payload.tolist()).decode()))
             elif command == TRAIN:
-                self.train(step, payload.tolist())
+                try:
+                    self.train(step, payload.tolist())
+                except StepNotFinite:
+                    pass  # every rank refused the step alike: rank 0 says so and decides
             else:
                 raise ReservoirError(f"unknown command {command} from rank 0")
 

@@ -10,19 +10,21 @@ groups), trains its own slice of rows and sums its gradients with the others' th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from reservoir.devices import autocast
+from reservoir.errors import StepNotFinite
 from reservoir.trainer.algorithms import (ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, Episodes,
                                           aggregate, call, gae)
 from reservoir.trainer.batch import TrainBatch, token_logprobs
 from reservoir.trainer.presets import PRESETS, Algorithm
 
-__all__ = ["Algorithm", "PRESETS", "Precision", "Ranks", "ONE", "train_step", "optimizer_step",
-           "sum_gradients", "sum_metrics"]
+__all__ = ["Algorithm", "PRESETS", "Precision", "Ranks", "ONE", "StepNotFinite", "train_step",
+           "optimizer_step", "sum_gradients", "sum_metrics"]
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,10 @@ def train_step(model, optimizer, batch: TrainBatch, algorithm: Algorithm, *,
         if critic is not None:
             sum_gradients(critic.model, ranks)
         sums = sum_metrics(sums, ranks, model)
-    metrics |= optimizer_step(model, optimizer, max_grad_norm, "grad_norm")
+    stepped = [(model, optimizer, "grad_norm")]
     if critic is not None:
-        metrics |= optimizer_step(critic.model, critic.optimizer, max_grad_norm, "critic/grad_norm")
+        stepped.append((critic.model, critic.optimizer, "critic/grad_norm"))
+    metrics |= optimizer_step(stepped, sums["loss"], max_grad_norm)
     return {**metrics, **sums, "reward_mean": float(batch.rewards.mean()),
             "train_tokens": total_tokens}
 
@@ -114,11 +117,27 @@ def _check_models(algorithm: Algorithm, reference, critic) -> None:
         raise ValueError("the gae advantage needs a critic (trainer.critic)")
 
 
-def optimizer_step(model, optimizer, max_grad_norm: float | None, name: str) -> dict[str, float]:
+def optimizer_step(stepped: list[tuple], loss: float,
+                   max_grad_norm: float | None) -> dict[str, float]:
+    """Clip and step each (model, optimizer, norm metric's name); none steps when the loss or
+    a gradient is not finite (StepNotFinite: the weights and optimizer state stay as they
+    were). Every rank holds the same loss and summed gradients, so every rank decides alike."""
+    norms = {}
+    for model, _, name in stepped:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms[name] = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
+    if not math.isfinite(loss) or not all(torch.isfinite(norm) for norm in norms.values()):
+        for model, optimizer, _ in stepped:
+            optimizer.zero_grad(set_to_none=True)
+        shown = ", ".join(f"{name} {float(norm):g}" for name, norm in norms.items())
+        raise StepNotFinite(f"the loss is not finite ({loss:g}; {shown}): no weight was changed")
     metrics = {}
-    if max_grad_norm is not None:
-        metrics[name] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
+    for model, optimizer, name in stepped:
+        if max_grad_norm is not None:
+            params = [p for p in model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norms[name])
+            metrics[name] = float(norms[name])
+        optimizer.step()
     return metrics
 
 

@@ -30,7 +30,7 @@ import torch
 from rich.console import Console
 
 from reservoir.config import ReservoirConfig
-from reservoir.errors import ConfigError
+from reservoir.errors import ConfigError, ReservoirError, StepNotFinite
 from reservoir.models import save_weights
 from reservoir.prepare import branch_checkpoint, check_model, check_resumable
 from reservoir.store import Store
@@ -219,8 +219,15 @@ class TrainerWorker:
             return False
         try:
             metrics = draw.metrics | self._learn(step, stage, draw.rows, draw.batch)
-        except BaseException:
+        except BaseException as exc:
             draw.release()
+            if isinstance(exc, StepNotFinite):
+                ids = ", ".join(str(row.id) for row in draw.rows[:20])
+                more = f" and {len(draw.rows) - 20} more" if len(draw.rows) > 20 else ""
+                raise ReservoirError(
+                    f"step {step}: {exc}; nothing of the step was committed and its rows went "
+                    f"back (experiences {ids or 'none: a batch of tasks'}{more}); mend or retire "
+                    "them, then continue with --resume") from None
             raise
         draw.commit(step, metrics)
         self._after(stage, step, metrics)
