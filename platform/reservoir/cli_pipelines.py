@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from getpass import getuser
 from pathlib import Path
 from typing import Optional
@@ -195,18 +194,20 @@ def review_serve(run: Optional[str] = typer.Option(None, help="Only this run's r
     """A page to review held rows (accept, reject, label) and pick the better of two responses
     (DPO pairs); writing needs the token RESERVOIR_REVIEW_TOKEN (else one made now)."""
     from reservoir.http import check_free, is_loopback, run_app, url_of
-    from reservoir.pipeline.review_page import Reviewing, create_app
+    from reservoir.pipeline.review_page import Reviewing, create_app, review_token
 
+    given = os.environ.get(REVIEW_TOKEN_ENV)
+    token = review_token(given, REVIEW_TOKEN_ENV)
     check_free(host, port, "--host/--port")
-    token = os.environ.get(REVIEW_TOKEN_ENV)
     with _open(config) as store:
-        app = create_app(Reviewing(store, token or secrets.token_urlsafe(18), run=run,
-                                   open_reading=is_loopback(host)))
+        app = create_app(Reviewing(store, token, run=run, open_reading=is_loopback(host)),
+                         host, port)
         url = url_of(host, port)
-        login = (f"{url}/login (the token is {REVIEW_TOKEN_ENV})" if token else
-                 f"{url}/login?token={app.state.reviewing.token}")
-        console.print(f"review page at {url}/ ; log in at {login}; Ctrl-C stops",
-                      markup=False, highlight=False, soft_wrap=True)
+        where = f"the token in {REVIEW_TOKEN_ENV}" if given else "this server's token, below"
+        console.print(f"review page at {url}/ ; log in at {url}/login with {where}; Ctrl-C "
+                      "stops", markup=False, highlight=False, soft_wrap=True)
+        if not given:
+            console.print(token, markup=False, highlight=False)
         run_app(app, host, port)
 
 

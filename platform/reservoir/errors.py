@@ -53,6 +53,11 @@ class WorkflowError(ReservoirError):
     names the workflow and the task."""
 
 
+class RowUnknown(StoreError):
+    """A row named by its id does not exist where it was looked for (another run's row, one
+    already decided)."""
+
+
 class EpisodeUnknown(StoreError):
     """A reward was reported for an episode the run has no calls of."""
 

@@ -7,6 +7,7 @@ body { font: 15px/1.4 system-ui, sans-serif; margin: 0; background: #f5f6f8; col
 header { background: #1d2330; color: #fff; padding: 10px 24px; display: flex; gap: 24px; align-items: center; }
 header a { color: #cfe0ff; text-decoration: none; } header .who { margin-left: auto; }
 main { padding: 16px 24px; max-width: 1100px; }
+.turn .role { font-size: 12px; color: #5b6475; } .turn.environment pre { background: #fdf4e3; border-left: 3px solid #d9a441; }
 .card { background: #fff; border: 1px solid #d9dde5; border-radius: 8px; padding: 12px 16px; margin-bottom: 14px; }
 .meta { color: #5b6475; font-size: 13px; } pre { white-space: pre-wrap; margin: 6px 0; background: #f0f2f6; padding: 8px; border-radius: 6px; }
 .pair { display: grid; grid-template-columns: 1fr 1fr; gap: 14px; }
@@ -24,11 +25,15 @@ table { border-collapse: collapse; background: #fff; } td, th { border: 1px soli
 <main>{% if done %}<div class="done">done: {{ done }}</div>{% endif %}{% block body %}{% endblock %}</main>
 </body></html>"""
 
-REVIEWS = """{% extends "layout" %}{% block body %}
+# A response, turn by turn when the environment took part (with_turns), else as its text.
+RESPONSE = """{% macro response(row) %}{% if row.turns %}{% for kind, text in row.turns %}<div class="turn {{ kind }}"><span class="role">{{ 'model' if kind == 'model' else 'environment · not trained' }}</span><pre>{{ text }}</pre></div>
+{% endfor %}{% else %}<pre>{{ row.response }}</pre>{% endif %}{% endmacro %}"""
+
+REVIEWS = """{% extends "layout" %}{% from "response" import response %}{% block body %}
 <h2>Held rows ({{ rows|length }})</h2>
 {% for row in rows %}<div class="card" id="review-{{ row.review_id }}">
 <div class="meta">review {{ row.review_id }} · experience {{ row.experience_id }} · run {{ row.run }} · reward {{ row.reward }} · held: {{ row.reason }}</div>
-<div><b>prompt</b><pre>{{ row.prompt }}</pre><b>response</b><pre>{{ row.response }}</pre></div>
+<div><b>prompt</b><pre>{{ row.prompt }}</pre><b>response</b>{{ response(row) }}</div>
 {% if reviewer %}<form method="post" action="/reviews/{{ row.review_id }}">
 <input type="hidden" name="csrf" value="{{ csrf }}">
 <input type="text" name="note" placeholder="note" size="40" value="{{ row.label.note or '' }}">
@@ -39,13 +44,13 @@ REVIEWS = """{% extends "layout" %}{% block body %}
 {% endif %}</div>{% else %}<p>No rows are held for review.</p>{% endfor %}
 {% endblock %}"""
 
-COMPARE = """{% extends "layout" %}{% block body %}
+COMPARE = """{% extends "layout" %}{% from "response" import response %}{% block body %}
 <h2>Which response is better?</h2>
 {% if pair %}<div class="meta">run {{ pair[0].run }} · task {{ pair[0].task_id }}</div>
 <div class="card"><b>prompt</b><pre>{{ pair[0].prompt }}</pre></div>
 <div class="pair">{% for row in pair %}{% set other = pair[1 - loop.index0] %}
 <div class="card" id="choice-{{ row.experience_id }}"><div class="meta">experience {{ row.experience_id }} · reward {{ row.reward }}</div>
-<pre>{{ row.response }}</pre>
+{{ response(row) }}
 {% if reviewer %}<form method="post" action="/prefer">
 <input type="hidden" name="csrf" value="{{ csrf }}"><input type="hidden" name="after" value="{{ after }}">
 <input type="hidden" name="chosen" value="{{ row.experience_id }}"><input type="hidden" name="rejected" value="{{ other.experience_id }}">
@@ -65,11 +70,11 @@ ACTIONS = """{% extends "layout" %}{% block body %}
 LOGIN = """{% extends "layout" %}{% block body %}
 <h2>Log in to review</h2><form method="post" action="/login" class="card">
 <p><label>your name <input type="text" name="reviewer" required maxlength="100"></label></p>
-<p><label>token <input type="password" name="token" required value="{{ token }}"></label></p>
+<p><label>token <input type="password" name="token" required></label></p>
 <button>log in</button></form>{% endblock %}"""
 
 ERROR = """{% extends "layout" %}{% block body %}<div class="card"><b>refused:</b> {{ message }}</div>
 <p><a href="/">back</a></p>{% endblock %}"""
 
-TEMPLATES = {"layout": LAYOUT, "reviews": REVIEWS, "compare": COMPARE, "actions": ACTIONS,
-             "login": LOGIN, "error": ERROR}
+TEMPLATES = {"layout": LAYOUT, "response": RESPONSE, "reviews": REVIEWS, "compare": COMPARE,
+             "actions": ACTIONS, "login": LOGIN, "error": ERROR}

@@ -74,11 +74,13 @@ def _pair(value: Sequence) -> Pair:
 
 def _run_and_task(conn: Connection, pairs: Sequence[Pair]) -> dict[int, tuple]:
     """{experience id: (run_id, task_id)}; StoreError if a pair names an unknown
-    experience, one experience twice, or experiences of different runs or tasks."""
+    experience, one experience twice, or two responses that answer different prompts: of
+    different runs, or neither of one group nor of one task (served rows have no task)."""
     ids = {i for pair in pairs for i in pair[:2]}
-    found = {row.id: (row.run_id, row.task_id) for row in conn.execute(
-        select(experiences.c.id, experiences.c.run_id, experiences.c.task_id)
-        .where(experiences.c.id.in_(ids)))}
+    rows = {row.id: row for row in conn.execute(
+        select(experiences.c.id, experiences.c.run_id, experiences.c.task_id,
+               experiences.c.group_id).where(experiences.c.id.in_(ids)))}
+    found = {i: (row.run_id, row.task_id) for i, row in rows.items()}
     for pair in pairs:
         missing = [i for i in pair[:2] if i not in found]
         if missing:
@@ -87,12 +89,16 @@ def _run_and_task(conn: Connection, pairs: Sequence[Pair]) -> dict[int, tuple]:
         if pair.chosen_id == pair.rejected_id:
             raise StoreError(f"pair ({pair.chosen_id}, {pair.rejected_id}): an experience "
                              "cannot be preferred to itself; no pair was added")
-        if found[pair.chosen_id] != found[pair.rejected_id]:
-            (run_a, task_a), (run_b, task_b) = found[pair.chosen_id], found[pair.rejected_id]
+        chosen, rejected = rows[pair.chosen_id], rows[pair.rejected_id]
+        one_prompt = chosen.run_id == rejected.run_id and (
+            chosen.group_id == rejected.group_id
+            or (chosen.task_id is not None and chosen.task_id == rejected.task_id))
+        if not one_prompt:
             raise StoreError(
-                f"pair ({pair.chosen_id}, {pair.rejected_id}): experiences of different runs or "
-                f"tasks (run {run_a} task {task_a} vs run {run_b} task {task_b}); no pair was "
-                "added")
+                f"pair ({pair.chosen_id}, {pair.rejected_id}): a pair compares two responses to "
+                f"one prompt, of one group or one task (run {chosen.run_id} task "
+                f"{chosen.task_id} vs run {rejected.run_id} task {rejected.task_id}, other "
+                "groups); no pair was added")
     return found
 
 

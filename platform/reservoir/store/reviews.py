@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, exists, func, insert, or_, select, update
 from sqlalchemy.orm import aliased
 
-from reservoir.errors import StoreError
+from reservoir.errors import RowUnknown, StoreError
 from reservoir.store.preferences import Pair, insert_pairs
 from reservoir.store.schema import (experience_state, experiences, preferences, review_actions,
                                     reviews, runs)
@@ -19,13 +19,24 @@ VERDICT_STATUS = {"accept": "ready", "reject": "quarantined"}
 SOURCES = ("web", "cli")
 
 
+def _in_run(experience_id, run: str | None) -> list:
+    """Conditions: the experience is of the run (none when `run` is None: any run)."""
+    if run is None:
+        return []
+    run_id = select(runs.c.id).where(runs.c.name == run).scalar_subquery()
+    return [experience_id.in_(select(experience_state.c.id)
+                              .where(experience_state.c.run_id == run_id))]
+
+
 def pending(conn: Connection, run: str | None, limit: int,
             after: int = 0) -> list[dict[str, Any]]:
-    """Pending reviews (held rows), oldest first, from review id `after` on."""
+    """Pending reviews (held rows), oldest first, from review id `after` on; each with its
+    response's token ids and action mask and its run's model (to show it turn by turn)."""
     stmt = (select(reviews.c.id.label("review_id"), reviews.c.experience_id,
                    runs.c.name.label("run"), experiences.c.prompt_text.label("prompt"),
                    experiences.c.response_text.label("response"), experiences.c.reward,
-                   reviews.c.reason, reviews.c.label)
+                   reviews.c.reason, reviews.c.label, experiences.c.response_ids,
+                   experiences.c.action_mask, runs.c.model)
             .join(experiences, experiences.c.id == reviews.c.experience_id)
             .join(runs, runs.c.id == experiences.c.run_id)
             .where(reviews.c.status == "pending", reviews.c.id > after)
@@ -55,19 +66,27 @@ def _labels(values: Any) -> dict[str, Any]:
     return values
 
 
+def _unknown(review_id: int, run: str | None) -> RowUnknown:
+    scope = f" of run {run!r}" if run else ""
+    return RowUnknown(f"review {review_id} does not exist{scope} or is already labelled; "
+                      "nothing was changed")
+
+
 def label(conn: Connection, review_id: int, *, verdict: str, reviewer: str,
-          values: dict[str, Any], source: str = "cli") -> str:
+          values: dict[str, Any], source: str = "cli", run: str | None = None) -> str:
     """Record a verdict and release the held row (accept: ready, reject: quarantined) in one
-    transaction, with its action row; returns the row's new status."""
+    transaction, with its action row; returns the row's new status. With `run`, only a review
+    of that run's rows is taken."""
     if verdict not in VERDICT_STATUS:
         raise StoreError(f"verdict {verdict!r}: use accept or reject")
     values = _labels(values)
     experience_id = conn.execute(
-        update(reviews).where(reviews.c.id == review_id, reviews.c.status == "pending")
+        update(reviews).where(reviews.c.id == review_id, reviews.c.status == "pending",
+                              *_in_run(reviews.c.experience_id, run))
         .values(status="labelled", verdict=verdict, reviewer=reviewer, label=values,
                 labelled_at=func.now()).returning(reviews.c.experience_id)).scalar()
     if experience_id is None:
-        raise StoreError(f"review {review_id} does not exist or is already labelled")
+        raise _unknown(review_id, run)
     conn.execute(update(experience_state).where(experience_state.c.id == experience_id,
                                                 experience_state.c.status == "held")
                  .values(status=VERDICT_STATUS[verdict]))
@@ -77,22 +96,32 @@ def label(conn: Connection, review_id: int, *, verdict: str, reviewer: str,
 
 
 def set_label(conn: Connection, review_id: int, *, reviewer: str, values: dict[str, Any],
-              source: str = "web") -> None:
-    """Label a pending review without deciding it (the row stays held)."""
+              source: str = "web", run: str | None = None) -> None:
+    """Label a pending review (of `run`'s rows, when given) without deciding it (the row
+    stays held)."""
     values = _labels(values)
     experience_id = conn.execute(
-        update(reviews).where(reviews.c.id == review_id, reviews.c.status == "pending")
+        update(reviews).where(reviews.c.id == review_id, reviews.c.status == "pending",
+                              *_in_run(reviews.c.experience_id, run))
         .values(label=values).returning(reviews.c.experience_id)).scalar()
     if experience_id is None:
-        raise StoreError(f"review {review_id} does not exist or is already labelled")
+        raise _unknown(review_id, run)
     _log(conn, reviewer=reviewer, action="label", source=source, review_id=review_id,
          experience_id=experience_id, detail={"label": values})
 
 
 def prefer(conn: Connection, chosen_id: int, rejected_id: int, *, reviewer: str,
-           source: str = "cli") -> int | None:
+           source: str = "cli", run: str | None = None) -> int | None:
     """Store a person's choice as a preference pair (source review:REVIEWER) with its action
-    row; returns the pair's id, None if it was stored before."""
+    row; returns the pair's id, None if it was stored before. With `run`, both rows must be
+    that run's."""
+    if run is not None:
+        found = conn.execute(select(func.count()).select_from(experience_state).where(
+            experience_state.c.id.in_([chosen_id, rejected_id]),
+            *_in_run(experience_state.c.id, run))).scalar()
+        if found != len({chosen_id, rejected_id}):
+            raise RowUnknown(f"experiences {chosen_id} and {rejected_id} are not both run "
+                             f"{run!r}'s; no pair was added")
     added = insert_pairs(conn, [Pair(chosen_id, rejected_id, None, f"review:{reviewer}")])
     preference_id = added.get((chosen_id, rejected_id))
     _log(conn, reviewer=reviewer, action="prefer", source=source, experience_id=chosen_id,
@@ -120,7 +149,8 @@ def next_pair(conn: Connection, run: str | None, after: int = 0) -> list[dict[st
     rows = conn.execute(select(experiences.c.id.label("experience_id"), runs.c.name.label("run"),
                                experiences.c.task_id, experiences.c.prompt_text.label("prompt"),
                                experiences.c.response_text.label("response"),
-                               experiences.c.reward)
+                               experiences.c.reward, experiences.c.response_ids,
+                               experiences.c.action_mask, runs.c.model)
                         .join(runs, runs.c.id == experiences.c.run_id)
                         .where(experiences.c.id.in_(found)).order_by(experiences.c.id))
     return [dict(row) for row in rows.mappings()]
