@@ -70,6 +70,7 @@ def test_single_turn_writes_one_group_per_task(engine, store):
                                  "RETURNING id"), {"r": run_id, "p": p, "a": a}).scalar()
                for p, a in (("Reverse: abc", "cba"), ("What is 1 + 1?", "2"))]
     tasks = [Task(ids[0], "Reverse: abc", "cba"), Task(ids[1], "What is 1 + 1?", "2")]
+    store.publish_version("r", 3)  # rows are made by published weights
     result = rollouts(engine, store, "r", tasks, n=4, version=3, max_tokens=8,
                       reward="test_exact_match_and_format")
     assert (result.groups, result.rows) == (2, 8)

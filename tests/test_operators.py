@@ -113,13 +113,13 @@ def rows_of(store, sql: str):
 
 def test_store_reading_operators_in_a_pipeline(store):
     store.create_run("s", group_size=2)
+    for version in range(4):
+        store.publish_version("s", version)
     store.write_groups([make_group("s", size=2, seed=1, rewards=[0, 1], version=0)])
     store.write_groups([make_group("s", size=2, seed=2, rewards=[1, 1], version=3)],
                        status="raw")
     store.write_groups([make_group("s", size=2, seed=1, rewards=[0, 1], version=3)],
                        status="raw")  # the same texts as the ready group
-    for version in range(4):
-        store.publish_version("s", version)
     spec = parse_pipeline({"name": "store-ops", "source": {"runs": ["s"], "status": ["raw"]},
                            "process": [{"store_dedup_filter": {}},
                                        {"staleness_filter": {"max_staleness": 1}}]})

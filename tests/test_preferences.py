@@ -113,7 +113,7 @@ def test_pairs_across_runs_or_tasks_or_unknown_ids_are_refused_whole(store):
         a, b = add_tasks(conn, run_id, [{"prompt": "a"}, {"prompt": "b"}])
     store.write_groups([make_group("other", size=2, task_id=a, seed=5),
                         make_group("other", size=2, task_id=b, seed=6)])
-    for pair, said in [((1, 5), "different runs or tasks"), ((5, 7), "different runs or tasks"),
+    for pair, said in [((1, 5), "two responses to one prompt"), ((5, 7), "to one prompt"),
                        ((1, 99), "experience 99 does not exist"), ((1, 1), "to itself")]:
         with pytest.raises(StoreError, match=said):
             store.add_pairs([(2, 3), pair])
@@ -212,7 +212,7 @@ def test_review_prefer_records_a_persons_pair(store, cli):
                        "WHERE source LIKE 'review%'") == [(2, 3, None, "review:ana", "ready")]
     assert "already stored" in cli("review", "prefer", "2", "3")
     for args, said in [(("2", "99"), "experience 99 does not exist"),
-                       (("2", "5"), "different runs or tasks")]:
+                       (("2", "5"), "two responses to one prompt")]:
         refused = cli.raw("review", "prefer", *args)
         assert refused.returncode == 1
         assert refused.stderr.count("\n") == 1 and said in refused.stderr

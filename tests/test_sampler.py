@@ -65,8 +65,8 @@ def test_staleness_floor_follows_published_versions(make_store):
     store = make_store(max_staleness=1)
     store.create_run("r")
     for version in range(4):
-        fill(store, "r", 1, version=version, start_seed=version)
         store.publish_version("r", version)
+        fill(store, "r", 1, version=version, start_seed=version)
     lease = store.lease("r", rows=100, allow_partial=True)
     assert {row.policy_version for row in lease.rows} == {2, 3}
     store.release(lease)
@@ -76,6 +76,7 @@ def test_staleness_floor_follows_published_versions(make_store):
 
 def test_explicit_min_policy_version(store):
     store.create_run("r")
+    store.publish_version("r", 5)
     fill(store, "r", 1, version=0)
     fill(store, "r", 1, version=5, start_seed=1)
     lease = store.lease("r", rows=8, min_policy_version=5, allow_partial=True)

@@ -19,8 +19,8 @@ from typing import Sequence
 
 from reservoir.chat import prompt_ids, render
 from reservoir.explorer.engine import Request
-from reservoir.explorer.openai_api import (ApiError, completion, completion_id, finish_reason,
-                                           parse_chat)
+from reservoir.explorer.openai_api import (ApiError, Limits, completion, completion_id,
+                                           finish_reason, parse_chat)
 from reservoir.store import Experience
 from reservoir.store.episodes import Call, as_group, rewarded
 
@@ -40,7 +40,8 @@ class PolicyClient:
         policy = self.policy
         try:
             request = parse_chat({**params, "model": MODEL}, model=MODEL,
-                                 temperature=policy.sampling.temperature, max_n=1024)
+                                 temperature=policy.sampling.temperature,
+                                 limits=Limits(n=1024, messages=1_000_000, tools=100_000))
         except ApiError as exc:
             raise ValueError(exc.message) from None
         tokenizer = policy.tokenizer
