@@ -16,6 +16,8 @@ from reservoir.config import RetentionConfig
 from reservoir.errors import StoreError
 from reservoir.store import codec, pipelines, reviews, runs
 from reservoir.store.archive import apply_retention, archive_run, restore_run
+from reservoir.store.engine import sync_engine
+from tests.commands import reservoir
 from tests.factories import fill, lease_rows_read, make_group
 
 RUN, OTHER = "archived", "kept"
@@ -30,7 +32,7 @@ ARRAYS = {"prompt_ids": codec.TOKEN, "response_ids": codec.TOKEN, "logprobs": co
 def populate(store) -> list[int]:
     """A finished run with trained rows, a pipeline event, a labelled review, a pair trained
     by a DPO step; and another run. Returns the archived run's experience ids."""
-    run_id = store.create_run(RUN, group_size=4)
+    run_id = store.create_run(RUN, group_size=4, vocab_size=1000)
     store.create_run(OTHER, group_size=4)
     store.write_groups([make_group(RUN, seed=i) for i in range(6)])
     fill(store, OTHER, 2, start_seed=100)
@@ -197,7 +199,7 @@ def test_restoring_twice_is_refused_and_an_archive_folder_is_not_reused(store, t
     populate(store)
     archive_run(store.engine, RUN, tmp_path / "a")
     restore_run(store.engine, tmp_path / "a")
-    with pytest.raises(StoreError, match="it was restored before.*nothing was restored"):
+    with pytest.raises(StoreError, match="was restored before.*nothing was restored"):
         restore_run(store.engine, tmp_path / "a")
     with pytest.raises(StoreError, match="holds an archive already"):
         archive_run(store.engine, RUN, tmp_path / "a")
@@ -240,3 +242,119 @@ def test_cli_archives_lists_and_restores(cli, store, tmp_path):
     assert failed.returncode == 1
     assert failed.stderr.count("\n") == 1 and "restored before" in failed.stderr
     assert count(store.engine, "SELECT count(*) FROM experiences") == 32
+
+
+# -- issue 28: archives written through no link, restores of damaged or forged ones ----------
+
+def test_an_archive_writes_through_no_link(cli, store, tmp_path):
+    """A symlink planted at DIR/experiences.parquet.partial was followed and its target
+    overwritten."""
+    populate(store)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    (folder / "experiences.parquet.partial").symlink_to(victim)
+    result = cli.raw("runs", "archive", RUN, "-o", str(folder))
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "experiences.parquet.partial" in result.stderr and "Traceback" not in result.stderr
+    assert victim.read_text() == "keep me"
+    assert count(store.engine, "SELECT count(*) FROM experiences") == 32
+
+
+def reseal(folder, edit=lambda manifest: None) -> None:
+    """The manifest edited and its checksums made to match the files again, as someone who
+    forges an archive would."""
+    from reservoir.store.archive_format import sha256
+
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    for table in manifest["tables"].values():
+        if (folder / table["file"]).is_file():
+            table["sha256"] = sha256(folder / table["file"])
+    path.write_text(json.dumps(manifest))
+
+
+def rewrite(path, change) -> None:
+    """A Parquet file read, changed (change(pyarrow table) -> table) and written back."""
+    pq.write_table(change(pq.read_table(path)), path)
+
+
+def _with_column(table, name, values):
+    import pyarrow as pa
+
+    return table.set_column(table.schema.get_field_index(name), name,
+                            pa.array(values, type=table.schema.field(name).type))
+
+
+DAMAGE = {
+    "truncated": lambda folder, store: (folder / "reviews.parquet").write_bytes(
+        (folder / "reviews.parquet").read_bytes()[:100]),
+    "garbage": lambda folder, store: (folder / "batch_items.parquet").write_bytes(b"x" * 5000),
+    "swapped": lambda folder, store: (
+        (folder / "swap").write_bytes((folder / "reviews.parquet").read_bytes()),
+        (folder / "reviews.parquet").write_bytes((folder / "operator_events.parquet")
+                                                 .read_bytes()),
+        (folder / "operator_events.parquet").write_bytes((folder / "swap").read_bytes())),
+    "missing-column": lambda folder, store: rewrite(folder / "experiences.parquet",
+                                                    lambda t: t.drop_columns(["reward"])),
+    "nan-reward": lambda folder, store: rewrite(folder / "experiences.parquet", lambda t:
+                                                _with_column(t, "reward", [float("nan")]
+                                                             + t["reward"].to_pylist()[1:])),
+    "huge-token": lambda folder, store: rewrite(folder / "experiences.parquet", lambda t:
+                                                _with_column(t, "response_ids", [
+                                                    codec.encode(np.array([2**31 - 1] * 6),
+                                                                 codec.TOKEN)]
+                                                    + t["response_ids"].to_pylist()[1:])),
+    "rows-of-another-run": lambda folder, store: rewrite(
+        folder / "experiences.parquet", lambda t: _with_column(
+            t, "run_id", [count(store.engine, f"SELECT id FROM runs WHERE name = '{OTHER}'")]
+            * t.num_rows)),
+}
+FORGED = {
+    "another-run": lambda manifest: manifest.update(run=OTHER),
+    "dot-dot": lambda manifest: manifest["tables"]["reviews"].update(
+        file="../outside/reviews.parquet"),
+}
+
+
+def refused_in_one_line(result) -> None:
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr and "nothing was restored" in result.stderr
+
+
+@pytest.fixture
+def archived(cli, store, tmp_path):
+    """The populated store with its run archived (CLI) into tmp_path/archive."""
+    populate(store)
+    folder = tmp_path / "archive"
+    cli("runs", "archive", RUN, "-o", str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_archive_restores_nothing_in_one_line(archived, store, tmp_path, damage,
+                                                        new_database, template_db):
+    """Truncated, garbage or swapped files and a missing column were tracebacks; NaN rewards
+    and token ids past any vocabulary went back in. Restored into another store (where the
+    run is made from the archive), each is one line, and nothing is restored or made."""
+    DAMAGE[damage](archived, store)
+    reseal(archived)
+    elsewhere = new_database(template_db)
+    refused_in_one_line(reservoir("runs", "restore", str(archived), url=elsewhere,
+                                  cwd=tmp_path))
+    assert count(sync_engine(elsewhere), "SELECT count(*) FROM runs") == 0
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGED) + ["resealed"])
+def test_a_forged_archive_restores_nothing_in_one_line(archived, cli, store, tmp_path, forgery):
+    """A manifest re-sealed to name another run put the archive's rows into it; `../` in it
+    was followed. An archive restores only into the run it was made from (or one it makes)."""
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "reviews.parquet").write_bytes((archived / "reviews.parquet")
+                                                           .read_bytes())
+    before = contents(store.engine)
+    reseal(archived, FORGED.get(forgery, lambda manifest: manifest.update(links_lost={})))
+    refused_in_one_line(cli.raw("runs", "restore", str(archived)))
+    assert contents(store.engine) == before

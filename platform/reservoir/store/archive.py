@@ -23,13 +23,24 @@ good: the manifest counts them (`links_lost`).
 
 Columns are read from the database (a table's or the view's), never assumed; values keep their
 stored form (`archive_format`: bytea as binary, JSON and UUIDs as their text, timestamps in UTC).
+
+Files are created, never reused, and never through a link. Each archive of a run is recorded
+(`run_archives`: the SHA-256 of its manifest), and a restore trusts nothing in the folder: it
+writes only into the run the recorded archive was made from (or, in a store without that run,
+one it makes), reads only the folder's own files, checks every file's checksum, schema and row
+count, every row's run, and every experience as the writer checks one (texts, token ids and the
+run's vocabulary, logprobs, masks, rewards in their range); anything wrong is one line, and
+nothing is restored.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+import math
 import os
 import re
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +51,13 @@ import pyarrow.parquet as pq
 from sqlalchemy import Connection, Engine, RootTransaction, TextClause, text
 from sqlalchemy.exc import DBAPIError
 
-from reservoir.config import DAY, RetentionConfig
-from reservoir.errors import StoreError
-from reservoir.store.archive_format import (ARROW, MANIFEST, Column, Manifest, TableFile, fsync,
-                                            sha256, write_durably)
-from reservoir.store import partitions
+from reservoir.config import DAY, DEFAULT_REWARD_RANGE, RetentionConfig
+from reservoir.errors import ExperienceInvalid, StoreError
+from reservoir.store.archive_format import (ARROW, MANIFEST, Column, Manifest, TableFile, create,
+                                            fsync, sha256, write_durably)
+from reservoir.store import codec, partitions, runs
 from reservoir.store.engine import sync_engine
+from reservoir.store.records import Experience, shape_group
 
 if TYPE_CHECKING:
     from reservoir.store.store import Store
@@ -97,6 +109,13 @@ SELECT name FROM runs r
 WHERE status = ANY(:ended) AND updated_at < now() - make_interval(secs => :seconds)
   AND EXISTS (SELECT 1 FROM experiences e WHERE e.run_id = r.id)
 ORDER BY id""")
+RECORD_ARCHIVE = text("INSERT INTO run_archives (run_id, manifest_sha256, experiences) "
+                      "VALUES (:run, :digest, :rows)")
+FIND_ARCHIVE = text("SELECT id, restored_at FROM run_archives WHERE run_id = :run "
+                    "AND manifest_sha256 = :digest FOR UPDATE")
+MARK_RESTORED = text("UPDATE run_archives SET restored_at = now() WHERE id = :id")
+VOCAB_SIZE = text("SELECT vocab_size FROM runs WHERE id = :run")
+RUN_FIELDS = text("SELECT group_size, model, vocab_size FROM runs WHERE id = :run")
 RETIRE = text("""
 UPDATE experiences SET status = 'retired'
 WHERE status IN ('ready', 'raw') AND created_at < now() - make_interval(secs => :seconds)
@@ -160,6 +179,9 @@ def archive_run(target: Store | Engine | str, run: str, out_dir: Path | str, *, 
     Refuses a running run and a folder that holds an archive. If the delete fails, nothing is
     deleted and the complete archive stays in `out_dir`."""
     directory = Path(out_dir)
+    if directory.is_symlink():
+        raise StoreError(f"{directory} is a link: an archive goes into a folder itself; "
+                         "nothing was archived")
     if (directory / MANIFEST).exists():
         raise StoreError(f"{directory} holds an archive already ({MANIFEST}): choose another "
                          "folder; nothing was archived")
@@ -207,8 +229,11 @@ def _write_archive(conn: Connection, run: str, run_id: int, directory: Path, chu
         run=run, run_id=run_id, revision=conn.execute(REVISION).scalar(),
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         tables=tables, directory=directory,
-        links_lost={"experiences.parent_id": conn.execute(LINKS_LOST, {"run": run_id}).scalar()})
+        links_lost={"experiences.parent_id": conn.execute(LINKS_LOST, {"run": run_id}).scalar()},
+        run_fields=dict(conn.execute(RUN_FIELDS, {"run": run_id}).mappings().one()))
     write_durably(directory / MANIFEST, manifest.to_json().encode())
+    conn.execute(RECORD_ARCHIVE, {"run": run_id, "digest": bytes.fromhex(
+        sha256(directory / MANIFEST)), "rows": tables["experiences"].rows})
     return manifest
 
 
@@ -232,14 +257,19 @@ def _write_table(conn: Connection, name: str, run_id: int, directory: Path, chun
     done = 0
     if progress:
         progress(name, 0, total)
-    with pq.ParquetWriter(partial, schema, compression="zstd") as writer:
-        for chunk in rows.partitions(chunk_rows):
-            values = list(zip(*chunk))
-            writer.write_table(pa.Table.from_arrays(
-                [_arrow(v, f.type) for v, f in zip(values, schema)], schema=schema))
-            done += len(chunk)
-            if progress:
-                progress(name, done, total)
+    with create(partial) as file:  # a link or a file left there is an error, never followed
+        try:
+            with pq.ParquetWriter(file, schema, compression="zstd") as writer:
+                for chunk in rows.partitions(chunk_rows):
+                    values = list(zip(*chunk))
+                    writer.write_table(pa.Table.from_arrays(
+                        [_arrow(v, f.type) for v, f in zip(values, schema)], schema=schema))
+                    done += len(chunk)
+                    if progress:
+                        progress(name, done, total)
+        except BaseException:
+            partial.unlink(missing_ok=True)  # ours: it was created just now
+            raise
     fsync(partial)
     os.replace(partial, final)
     fsync(directory)
@@ -259,30 +289,97 @@ def _quote(name: str) -> str:
 
 
 def restore_run(target: Store | Engine | str, in_dir: Path | str, *, chunk_rows: int = CHUNK_ROWS,
-                progress: Progress | None = None) -> Manifest:
+                progress: Progress | None = None,
+                reward_range: tuple[float, float] | None = None) -> Manifest:
     """Put an archive's rows back, with their ids, in one transaction: all or nothing. The
-    run must exist (a run of that name with another id takes the rows) and hold none of the
-    archived experiences; every file must match its sha256."""
+    run must be the one the archive was made from (run_archives records its manifest) and
+    hold none of its experiences; in a store without the run, the restore makes it (and its
+    rows take the new run's id). See the module's rules for what is checked; `reward_range`
+    is explorer.reward_range (a Store's own, else the default)."""
     directory = Path(in_dir)
     manifest = Manifest.read(directory, tuple(TABLES))
-    for table in manifest.tables.values():
-        path = directory / table.file
-        if not path.is_file() or sha256(path) != table.sha256:
-            raise StoreError(f"{path}: {'missing' if not path.is_file() else 'its sha256 is not'}"
-                             f" the one {MANIFEST} records (the file changed or is damaged); "
-                             "nothing was restored")
+    for name, table in manifest.tables.items():
+        _check_file(directory, name, table)
+    digest = bytes.fromhex(sha256(directory / MANIFEST))
+    reward_range = reward_range or getattr(getattr(target, "aio", None), "reward_range",
+                                           DEFAULT_REWARD_RANGE)
     what = f"restoring run {manifest.run!r} from {directory}"
     with (_engine(target) as engine, _failures(what, "nothing was restored"),
           engine.begin() as conn):
-        run_id, _ = _lock_run(conn, manifest.run)
+        run_id = _restore_into(conn, manifest, digest)
         _check_absent(conn, manifest, chunk_rows)
+        vocab_size = conn.execute(VOCAB_SIZE, {"run": run_id}).scalar()
         for name, table in manifest.tables.items():
             with _failures(f"{what}: {table.file}", "nothing was restored"):
-                _insert_table(conn, manifest, name, run_id, chunk_rows, progress)
+                _insert_table(conn, manifest, name, run_id, chunk_rows, progress,
+                              lambda batch: _check_batch(manifest, name, batch, vocab_size,
+                                                         reward_range))
             _advance_ids(conn, name)
         conn.execute(partitions.analyze(run_id))  # new partitions: no statistics yet
         conn.execute(TOUCH_RUN, {"run": run_id})
     return manifest
+
+
+def _check_file(directory: Path, name: str, table: TableFile) -> None:
+    """The folder's own file (no link), its sha256, and a Parquet schema and row count that
+    are the ones the manifest lists."""
+    path = directory / table.file
+    if path.is_symlink() or not path.is_file():
+        raise StoreError(f"{path}: {'a link' if path.is_symlink() else 'missing'}; an archive "
+                         "holds its own files; nothing was restored")
+    if sha256(path) != table.sha256:
+        raise StoreError(f"{path}: its sha256 is not the one {MANIFEST} records (the file "
+                         "changed or is damaged); nothing was restored")
+    expected = [(c.name, ARROW.get(c.type)) for c in table.columns]
+    try:
+        parquet = pq.ParquetFile(path)
+        found = [(field.name, field.type) for field in parquet.schema_arrow]
+        rows = parquet.metadata.num_rows
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise StoreError(f"{path}: not a Parquet file ({_first_line(exc)}); nothing was "
+                         "restored") from None
+    if found != expected:
+        raise StoreError(f"{path}: its columns are not the {name} columns {MANIFEST} lists "
+                         f"(first difference: {_difference(found, expected)}); nothing was "
+                         "restored")
+    if rows != table.rows:
+        raise StoreError(f"{path}: {rows} rows, {MANIFEST} says {table.rows}; nothing was "
+                         "restored")
+
+
+def _difference(found: list, expected: list) -> str:
+    for index in range(max(len(found), len(expected))):
+        one = found[index] if index < len(found) else None
+        other = expected[index] if index < len(expected) else None
+        if one != other:
+            return f"column {index}: {one[0] if one else 'none'} in the file, " \
+                   f"{other[0] if other else 'none'} in the manifest"
+    return "none"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _restore_into(conn: Connection, manifest: Manifest, digest: bytes) -> int:
+    """The run the archive goes back into: the run it was made from, when this very manifest
+    is its archive not restored yet; a run made now, when the store has no run of the name.
+    Any other run is refused (a manifest changed to name it)."""
+    found = conn.execute(LOCK_RUN, {"name": manifest.run}).first()
+    if found is None:
+        run_id = runs.insert_run(conn, manifest.run, **manifest.run_fields)
+        runs.set_status(conn, run_id, "finished")
+        return run_id
+    archive = conn.execute(FIND_ARCHIVE, {"run": found.id, "digest": digest}).first()
+    if archive is None:
+        raise StoreError(f"run {manifest.run!r}: no archive of it has this {MANIFEST} (it was "
+                         "made from another run, or changed since); nothing was restored")
+    if archive.restored_at is not None:
+        raise StoreError(f"run {manifest.run!r}: this archive was restored before "
+                         f"({archive.restored_at:%Y-%m-%d %H:%M} UTC); nothing was restored")
+    conn.execute(MARK_RESTORED, {"id": archive.id})
+    return found.id
 
 
 def _check_absent(conn: Connection, manifest: Manifest, chunk_rows: int) -> None:
@@ -297,8 +394,9 @@ def _check_absent(conn: Connection, manifest: Manifest, chunk_rows: int) -> None
 
 
 def _insert_table(conn: Connection, manifest: Manifest, name: str, run_id: int, chunk_rows: int,
-                  progress: Progress | None) -> None:
-    """Insert one table's archived rows by column name, in chunks, with the run's id."""
+                  progress: Progress | None, check: Callable[[pa.RecordBatch], None]) -> None:
+    """Insert one table's archived rows by column name, in chunks (each passing `check`),
+    with the run's id."""
     table = manifest.tables[name]
     archived = [c.name for c in table.columns]
     store = {c.name: c for c in columns_of(conn, name)}
@@ -314,9 +412,10 @@ def _insert_table(conn: Connection, manifest: Manifest, name: str, run_id: int, 
     path = manifest.directory / table.file
     if progress:
         progress(name, 0, table.rows)
-    batches = pq.ParquetFile(path).iter_batches(batch_size=chunk_rows,
-                                                columns=[c.name for c in columns])
+    batches = pq.ParquetFile(path).iter_batches(batch_size=chunk_rows)
     for batch in batches:
+        check(batch)
+        batch = batch.select([c.name for c in columns])
         values = {f"c{i}": batch.column(i).to_pylist() for i in range(len(columns))}
         inserted = conn.execute(statement, {**values, **remap}).rowcount
         if inserted != batch.num_rows:
@@ -328,6 +427,59 @@ def _insert_table(conn: Connection, manifest: Manifest, name: str, run_id: int, 
     if done != table.rows:
         raise StoreError(f"{path}: {done} rows, {MANIFEST} says {table.rows}; nothing was "
                          "restored")
+
+
+def _check_batch(manifest: Manifest, name: str, batch: pa.RecordBatch, vocab_size: int | None,
+                 reward_range: tuple[float, float]) -> None:
+    """Rows of the archive's run only; experiences as the writer checks them."""
+    path = manifest.directory / manifest.tables[name].file
+    if "run_id" in batch.schema.names:
+        others = set(batch.column("run_id").to_pylist()) - {manifest.run_id, None}
+        if others:
+            raise StoreError(f"{path}: rows of run id {sorted(others)[0]}, not the archive's "
+                             f"run (id {manifest.run_id}); nothing was restored")
+    if name == "experiences":
+        try:
+            _check_experiences(batch.to_pylist(), manifest.run, vocab_size, reward_range)
+        except (ValueError, TypeError) as exc:  # bytes that are no array, JSON that is not
+            raise StoreError(f"{path}: {_first_line(exc)}; nothing was restored") from None
+
+
+def _check_experiences(rows: list[dict], run: str, vocab_size: int | None,
+                       reward_range: tuple[float, float]) -> None:
+    """Each group of archived rows through the writer's checks (records.shape_group);
+    ValueError naming the experience otherwise."""
+    low, high = reward_range
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["group_id"], []).append(row)
+        shaped = row.get("shaped_reward")
+        if shaped is not None and not (math.isfinite(shaped) and low <= shaped <= high):
+            raise ValueError(f"experience {row['id']}: field 'shaped_reward' = {shaped}: must "
+                             f"be a finite number in the reward range [{low:g}, {high:g}]")
+    for members in groups.values():
+        try:
+            _check_group(members, run, vocab_size, reward_range)
+        except ExperienceInvalid as exc:
+            named = members[exc.row_index or 0]["id"]
+            reason = re.sub(r"^group \d+( row \d+)?", f"experience {named}", str(exc))
+            raise ValueError(reason.split("; nothing of")[0]) from None
+
+
+def _check_group(members: list[dict], run: str, vocab_size: int | None,
+                 reward_range: tuple[float, float]) -> None:
+    """One group's archived rows as the writer's Experience rows, through its checks."""
+    group = [Experience(
+        run=run, prompt_text=row["prompt_text"], response_text=row["response_text"],
+        prompt_ids=codec.decode(row["prompt_ids"], codec.TOKEN),
+        response_ids=codec.decode(row["response_ids"], codec.TOKEN),
+        logprobs=codec.decode(row["logprobs"], codec.LOGPROB),
+        action_mask=codec.decode(row["action_mask"], codec.MASK), reward=row["reward"],
+        policy_version=row["policy_version"], task_id=row["task_id"],
+        group_id=uuid.UUID(row["group_id"]), parent_id=row["parent_id"],
+        reward_components=json.loads(row["reward_components"] or "{}"),
+        metadata=json.loads(row["metadata"] or "{}")) for row in members]
+    shape_group(group, 0, reward_range).check_values(vocab_size)
 
 
 def _insert_statement(name: str, columns: list[Column], missing_run: bool) -> TextClause:

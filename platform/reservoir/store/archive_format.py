@@ -51,6 +51,7 @@ class Manifest:
     created_at: str
     tables: dict[str, TableFile]
     links_lost: dict[str, int] = field(default_factory=dict)
+    run_fields: dict = field(default_factory=dict)  # group_size, model, vocab_size of the run
     directory: Path = Path(".")
 
     def rows(self) -> dict[str, int]:
@@ -79,10 +80,28 @@ class Manifest:
                       for name, t in body.pop("tables").items()}
             if tuple(tables) != names:
                 raise ValueError(f"tables are not {', '.join(names)}")
+            for name, table in tables.items():  # the folder's own files, never a path
+                if table.file != f"{name}.parquet":
+                    raise ValueError(f"{name}'s file is {table.file[:80]!r}, not {name}.parquet")
+            _check_run_fields(body.get("run_fields", {}))
             return cls(**body, tables=tables, directory=directory)
         except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
             raise StoreError(f"{path}: not a valid archive manifest ({exc}); nothing was "
                              "restored") from None
+
+
+RUN_FIELDS = {"group_size": int, "vocab_size": int, "model": str}
+
+
+def _check_run_fields(fields: dict) -> None:
+    """What a restore may make a run with: a positive group size and vocabulary, a model path
+    of text."""
+    for name, value in fields.items():
+        kind = RUN_FIELDS.get(name)
+        if kind is None or not (value is None or (type(value) is kind and (
+                kind is str and "\x00" not in value and len(value) <= 4096
+                or kind is int and 0 < value < 2**31))):
+            raise ValueError(f"run_fields.{name} = {value!r:.80}")
 
 
 def fsync(path: Path) -> None:
@@ -93,10 +112,19 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
+def create(path: Path):
+    """A new file opened for writing: never one that exists, never through a link (a link or
+    a file at `path` is an OSError naming it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.fdopen(os.open(path, flags, 0o644), "wb")
+
+
 def write_durably(path: Path, data: bytes) -> None:
-    """Write a file under a temporary name, fsync it, then rename it into place."""
+    """Write a file under a temporary name (created, not reused), fsync it, then rename it
+    into place."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(data)
+    with create(partial) as file:
+        file.write(data)
     fsync(partial)
     os.replace(partial, path)
     fsync(path.parent)

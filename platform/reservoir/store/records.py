@@ -91,7 +91,7 @@ class _RowChecker:
                       "(explorer.reward_range)")
 
     def fail(self, field_name: str, value: Any, rule: str) -> None:
-        shown = repr(value)
+        shown = " ".join(repr(value).split())  # one line (an array's repr wraps)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise ExperienceInvalid(
             f"group {self.group_index} row {self.row_index} (run {self.exp.run!r}, task "

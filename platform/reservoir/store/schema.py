@@ -399,6 +399,22 @@ batch_pairs = Table(
 EPISODE_STATUSES = ("open", "reported")
 REVIEW_ACTIONS = ("accept", "reject", "label", "prefer")
 
+run_archives = Table(
+    "run_archives",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("manifest_sha256", LargeBinary, nullable=False),
+    Column("experiences", BigInteger, nullable=False),
+    Column("archived_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("restored_at", DateTime(timezone=True)),
+    CheckConstraint("octet_length(manifest_sha256) = 32",
+                    name="run_archives_manifest_sha256_check"),
+    CheckConstraint("experiences >= 0", name="run_archives_experiences_check"),
+    UniqueConstraint("run_id", "manifest_sha256", name="run_archives_manifest"),
+    comment="Each archive of a run (the SHA-256 of its manifest.json) and when it was restored.",
+)
+
 episodes = Table(
     "episodes",
     metadata,
