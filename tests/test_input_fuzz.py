@@ -56,6 +56,15 @@ def bad_configs() -> list[str]:
         "run: {mode: async}\n", "sampler: {sample_from: [consumed], max_times_sampled: 1}\n",
         "trainer:\n  algorithm: ppo2\n", "pipelines: [1, 2]\n", "trainer:\n  lr: [\n",
         "explorer:\n  reward: nope\n", "store:\n  query_timeout_s: 0\n",
+        # issue 28
+        "tasks: {file: t.jsonl, generate: reverse}\n",
+        "stages:\n  - {name: s, algorithm: sft, data: tasks}\n",
+        "stages:\n  - {name: s, algorithm: sft, steps: 2, data: {stored: {where: 'true) OR "
+        "(true'}}}\n",
+        "stages:\n  - {name: s, algorithm: sft, steps: 2, data: {stored: {where: \"true --\\r"
+        ") OR (true\"}}}\n",
+        "explorer: {reward_range: [1, -1]}\n", "explorer: {reward_range: [-1e39, 1]}\n",
+        "serve: {max_request_bytes: 0}\n",
     ]
     return cases
 
@@ -80,13 +89,16 @@ def bad_task_lines() -> list[str]:
                                                       '{"k": "\\u0000"}')]
     lines += ["[]", '"p"', "1", "null", '{"prompt": "p"', "{", '{"prompt": "a", "prompt": "b"}',
               '{"question": "no prompt"}']
+    # issue 28: a task without its answer; JSON nested 5,000 deep was a RecursionError
+    lines += ['{"prompt": "p"}', '{"prompt": "p", "answer": null}',
+              '{"prompt": "p", "answer": "a", "x": ' + "[" * 5000 + "]" * 5000 + "}"]
     return lines
 
 
 @pytest.mark.parametrize("line", bad_task_lines())
 def test_a_bad_task_line_is_one_line_naming_the_file(tmp_path, line):
     path = tmp_path / "tasks.jsonl"
-    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    path.write_text('{"prompt": "fine", "answer": "ok"}\n' + line + "\n")
     with pytest.raises(ReservoirError) as info:
         read_task_file(path)
     message = str(info.value)
@@ -183,6 +195,9 @@ def bad_pipelines() -> list[str]:
         "name: 'bad name'\n", "- just a list\n", "process: [\n", "\x00\n", "text_key: [1]\n",
         "mode: stream\nprocess:\n  - topk_specified_field_selector: {field_key: reward, "
         "topk: 1}\n",
+        # issue 28: empty files ran on every run; unknown fields and a 6-field cron passed
+        "", "null\n", "output: {priority_from: nope}\n", "text_key: nope\n",
+        "schedule: '0 */10 * * * *'\n", "source: {runs: everything}\n",
     ]
     return cases
 
@@ -220,3 +235,38 @@ def test_bad_files_through_the_cli_change_nothing(cli, tmp_path, args):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert scalar(cli.url, "SELECT (SELECT count(*) FROM runs) + (SELECT count(*) FROM tasks)"
                            " + (SELECT count(*) FROM pipeline_runs)") == before
+
+
+
+@pytest.mark.parametrize("args, created", [
+    (("tasks", "load", "TASKS", "--run", ""), "runs"),
+    (("tasks", "load", "TASKS", "--run", "a b"), "runs"),
+    (("tasks", "load", "TASKS", "--run", "../x"), "runs"),
+    (("demo", "store", "--run=-x", "--groups", "2"), "runs"),
+    (("train", "STAGELESS"), "runs"),
+    (("pipeline", "run", "EMPTY"), "pipeline_runs"),
+    (("pipeline", "run", "NAMES_NO_RUN"), "pipeline_runs"),
+    (("schedule", "add", "NAMES_NO_RUN", "--cron", "* * * * *"), "schedules"),
+])
+def test_issue_28_inputs_through_the_cli_create_nothing(cli, tmp_path, args, created):
+    """A run named '' or '../x' was created; a stage without steps created its run, then
+    printed a 44-line TypeError; an empty pipeline file moved every raw row of every run."""
+    cli("demo", "store", "--groups", "4", "--group-size", "2", "--steps", "1",
+        "--groups-per-step", "1", "--raw-groups", "2")
+    files = {"TASKS": ('t.jsonl', '{"prompt": "p", "answer": "a"}\n'),
+             "STAGELESS": ("c.yaml", "run: {name: stageless}\nstages:\n  - {name: s, algorithm: "
+                                      "sft, data: tasks}\n"),
+             "EMPTY": ("empty.yaml", ""), "NAMES_NO_RUN": ("p.yaml", "process: []\n")}
+    swap = {}
+    for key, (name, body) in files.items():
+        (tmp_path / name).write_text(body)
+        swap[key] = str(tmp_path / name)
+    counts = ("SELECT concat_ws('|', (SELECT count(*) FROM runs), (SELECT count(*) FROM "
+              "pipeline_runs), (SELECT count(*) FROM schedules), (SELECT json_object_agg("
+              "status, n ORDER BY status) FROM (SELECT status, count(*) AS n FROM experiences "
+              "GROUP BY status) s))")
+    before = scalar(cli.url, counts)
+    result = cli.raw(*[swap.get(a, a) for a in args])
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert scalar(cli.url, counts) == before

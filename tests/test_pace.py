@@ -3,10 +3,13 @@
 import time
 import uuid
 
+import pytest
+
+from reservoir.errors import ClaimLost
 from reservoir.store.ledger import record_step
 from reservoir.store.pace import Pace, claim_budget
-from reservoir.store.tasks import add_tasks, claim_tasks, finish_claims, release_claims
-from tests.factories import fill
+from reservoir.store.tasks import add_tasks, claim_tasks, finishing, release_claims
+from tests.factories import fill, make_group
 
 PACE = Pace(batch_groups=2, sync_interval=1, staleness=0, group_size=4, steps=10)
 
@@ -54,13 +57,19 @@ def test_claims_expire_and_finishing_counts_the_task_explored(store):
     assert [task_id for task_id, *_ in _claim(store, run_id, 5, second)] == [3]
     time.sleep(0.6)  # the first worker died: its claims expire
     assert [task_id for task_id, *_ in _claim(store, run_id, 5, second)] == [1, 2]
+    def groups(task_ids):
+        return [make_group("paced", task_id=task_id, seed=task_id) for task_id in task_ids]
+
+    with pytest.raises(ClaimLost, match="2 of 2 claimed tasks expired"):
+        store.write_groups(groups([1, 2]), before_copy=finishing(first, [1, 2]))  # the dead one
+    store.write_groups(groups([1, 3]), before_copy=finishing(second, [1, 3]))
     with store.engine.begin() as conn:
-        assert finish_claims(conn, first, [1, 2]) == 0  # the dead worker's token holds nothing
-        assert finish_claims(conn, second, [1, 3]) == 2
         assert release_claims(conn, second) == 1  # task 2 goes back unexplored
         explored = conn.exec_driver_sql(
-            "SELECT id, times_explored, claim_token IS NULL FROM tasks ORDER BY id").all()
-    assert [tuple(row) for row in explored] == [(1, 1, True), (2, 0, True), (3, 1, True)]
+            "SELECT id, times_explored, claim_token IS NULL, (SELECT count(DISTINCT group_id) "
+            "FROM experiences e WHERE e.task_id = t.id) FROM tasks t ORDER BY id").all()
+    assert [tuple(row) for row in explored][:3] == [(1, 1, True, 1), (2, 0, True, 0),
+                                                    (3, 1, True, 1)]
 
 
 def test_budget_is_zero_outside_explorer_stages_and_counts_from_the_stage_start(store):

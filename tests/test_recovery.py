@@ -274,3 +274,44 @@ def test_a_step_whose_loss_is_not_finite_is_never_committed(tmp_path, db_url):
     assert "nothing of the step was committed" in last, last
     assert query(db_url, "SELECT array_agg(step) FROM train_steps") == [([0],)]
     assert query(db_url, "SELECT DISTINCT status FROM experiences") == [("ready",)]
+
+
+def test_a_task_s_groups_and_its_count_commit_together(tmp_path, db_url, as_admin):
+    """Issue 28: an explorer wrote a batch's groups and counted their tasks explored in two
+    transactions; killed between the two, it left tasks with groups written and not counted,
+    explored again later (two groups, times_explored 1). Here a trigger holds the count back
+    while the explorer is SIGKILLed: nothing of that batch stays, and afterwards every task
+    has exactly as many groups as times it was counted."""
+    model = build_tiny_model(tmp_path / "tiny", seed=8)
+    config_path = write_config(tmp_path / "explore.yaml", {
+        "run": {"name": "once", "mode": "async"}, "model": {"path": str(model)},
+        "tasks": {"generate": "reverse", "count": 6, "test_fraction": 0.0},
+        "explorer": {"n": 2, "batch_tasks": 2, "max_tokens": 4, "claim_seconds": 2},
+        "trainer": {"steps": 100, "batch_groups": 2, "checkpoint_dir": str(tmp_path / "ck")},
+        "sampler": {"max_staleness": 100}, "store": {"url": db_url}})
+    with Store(db_url) as store:
+        ensure_run(store, parse_config(yaml.safe_load(config_path.read_text())))
+        store.publish_version("once", 0, location=str(model), train_step=0)
+    admin = as_admin(db_url)
+    execute(admin, """CREATE FUNCTION public.slow_count() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN IF NEW.times_explored > OLD.times_explored THEN PERFORM pg_sleep(60); END IF;
+        RETURN NEW; END $$""", "CREATE TRIGGER slow_count BEFORE UPDATE ON tasks FOR EACH ROW "
+            "EXECUTE FUNCTION public.slow_count()")
+    first = start("explore", str(config_path), "--workers", "1", cwd=tmp_path)
+    sleeping = wait_for(lambda: execute(admin, "SELECT pid FROM pg_stat_activity WHERE "
+                                               "wait_event = 'PgSleep' AND datname = "
+                                               "current_database()"), timeout=180)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    execute(admin, f"SELECT pg_terminate_backend({sleeping[0][0]})",
+            "DROP TRIGGER slow_count ON tasks", "DROP FUNCTION public.slow_count()")
+    second = start("explore", str(config_path), "--workers", "1", cwd=tmp_path)
+    wait_for(lambda: query(db_url, "SELECT min(times_explored) FROM tasks")[0][0] >= 2,
+             timeout=180)
+    execute(db_url, "UPDATE runs SET status = 'stopped' WHERE name = 'once'")
+    finish(second, timeout=120)
+    counted = query(db_url, """
+        SELECT t.id, t.times_explored, (SELECT count(DISTINCT group_id) FROM experiences e
+                                        WHERE e.task_id = t.id) AS groups
+        FROM tasks t ORDER BY t.id""")
+    assert all(row.groups == row.times_explored for row in counted), counted

@@ -39,7 +39,7 @@ def make_due(store, minutes: int = 10) -> None:
 
 
 def test_add_checks_cron_and_pipeline(tmp_path, store, pipeline):
-    with pytest.raises(ConfigError, match="--cron 'every day': not a cron expression"):
+    with pytest.raises(ConfigError, match="--cron: 'every day' is not a cron expression"):
         add_schedule(store, pipeline, "every day")
     stream = tmp_path / "stream.yaml"
     stream.write_text("mode: stream\nprocess: []\n")

@@ -199,12 +199,19 @@ def test_a_dpo_stage_takes_epochs_over_its_pairs_or_says_it_ran_out(tmp_path, db
 
 
 def test_a_hostile_where_in_a_stored_stage_is_one_line_naming_its_key(tmp_path, db_url):
+    """Checked with the config (issue 28: it was checked only when its stage started, after
+    the run was made and earlier stages had trained)."""
     model = build_tiny_model(tmp_path / "tiny", seed=10)
-    stages = [{"name": "best", "algorithm": "sft", "steps": 1,
-               "data": {"stored": {"status": ["ready"], "where": "true) OR (true"}}}]
-    config_path = staged_config(tmp_path, "hostile", db_url, model, stages)
-    refused = start("train", str(config_path), cwd=tmp_path)
+    config = yaml.safe_load(trainer_config(tmp_path, "hostile", db_url, model).read_text())
+    del config["trainer"]["steps"]
+    config["stages"] = [{"name": "best", "algorithm": "sft", "steps": 1, "data": {
+        "stored": {"status": ["ready"], "where": "true) OR (true"}}}]
+    path = tmp_path / "hostile.yaml"
+    path.write_text(yaml.safe_dump(config))
+    refused = start("train", str(path), cwd=tmp_path)
     output, _ = refused.communicate(timeout=120)
     assert refused.returncode == 1
-    assert output.strip().splitlines()[-1].startswith("error: stages.best.data.stored.where: ")
-    assert query(db_url, "SELECT count(*) FROM train_steps WHERE step > 0") == [(0,)]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"error: {path}: invalid: stages.0.data.stored.where") and \
+        "closes a parenthesis" in last, last
+    assert query(db_url, "SELECT count(*) FROM runs") == [(0,)]

@@ -44,7 +44,8 @@ def test_missing_prompt_column_and_empty_prompt_are_named(tmp_path):
     path.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(ConfigError, match=r"bad.jsonl: no 'prompt' column \(columns: question\)"):
         read_task_file(path)
-    path.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": " "}) + "\n")
+    path.write_text(json.dumps({"prompt": "ok", "answer": "1"}) + "\n"
+                    + json.dumps({"prompt": " "}) + "\n")
     with pytest.raises(ConfigError, match=r"bad.jsonl row 2: column 'prompt' = ' '"):
         read_task_file(path)
     with pytest.raises(ConfigError, match="unknown task file type"):
@@ -109,7 +110,7 @@ def test_bad_jsonl_lines_are_named_in_one_line(tmp_path, line, message):
     """Issue 8: main raised TypeError while building the message, tracebacks for NUL and
     Infinity, kept any split, and dropped a lone surrogate silently."""
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    path.write_text('{"prompt": "fine", "answer": "ok"}\n' + line + "\n")
     with pytest.raises(ConfigError, match=message) as info:
         read_task_file(path)
     assert "\n" not in str(info.value)

@@ -234,9 +234,11 @@ def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with
                run: str = typer.Option(..., "--run", help="Run to load into (created if new)."),
                config: Optional[Path] = ConfigOption) -> None:
     """Load tasks from a file into a run, all or nothing."""
+    from reservoir.config import checked_run_name
     from reservoir.explorer.tasks import read_task_file
     from reservoir.store.tasks import add_tasks
 
+    checked_run_name(run, "--run")
     rows = read_task_file(file)
     with _open(config, migrate=True) as store:
         run_id = store.create_run(run, exist_ok=True)
@@ -270,8 +272,10 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
                seed: int = 0, config: Optional[Path] = ConfigOption) -> None:
     """Store quickstart: write synthetic groups, train a few steps, show what to query."""
     from reservoir.cli_output import print_table
+    from reservoir.config import checked_run_name
     from reservoir.demo import run_demo
 
+    checked_run_name(run, "--run")
     if steps * groups_per_step > groups:
         raise ReservoirError(f"--steps {steps} x --groups-per-step {groups_per_step} needs "
                              f"{steps * groups_per_step} groups, --groups is {groups}")

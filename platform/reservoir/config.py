@@ -33,6 +33,14 @@ def _run_name(value: str) -> str:
     return value
 
 
+def checked_run_name(value: str, key: str) -> str:
+    """A run name given outside a config (a CLI option): ConfigError naming `key`."""
+    try:
+        return _run_name(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key} {value!r}: {exc}") from None
+
+
 def _not_bool(value):
     if isinstance(value, bool):
         raise ValueError("a number, not true or false")
@@ -47,6 +55,18 @@ def _database_url(value: str | None) -> str | None:
         return None if value is None else canonical(value)
     except UrlError as exc:
         raise ValueError(str(exc)) from None
+
+
+def expression(value: str | None) -> str | None:
+    """One boolean SQL expression (usersql.check_expression), checked with the config."""
+    from reservoir.store.usersql import UserSQLError, check_expression
+
+    try:
+        if value is not None:
+            check_expression(value, "one boolean expression")
+    except UserSQLError as exc:
+        raise ValueError(str(exc)) from None
+    return value
 
 
 def _branch(value: str | None) -> str | None:
@@ -265,6 +285,13 @@ class TasksConfig(Section):
     count: Count = count(2000, 1, 10_000_000)
     test_fraction: Number = number(0.1, ge=0.0, lt=1.0)
 
+    @model_validator(mode="after")
+    def _one_source(self) -> TasksConfig:
+        if self.file is not None and "generate" in self.model_fields_set and self.generate:
+            raise ValueError("give tasks.file or tasks.generate, not both (the file's tasks "
+                             "would be loaded and the generator silently ignored)")
+        return self
+
     @property
     def any(self) -> bool:
         return self.file is not None or self.generate is not None
@@ -427,8 +454,9 @@ class StoredData(Section):
     runs: tuple[RunName, ...] = Field(default=(), description="runs whose rows are read; "
                                       "empty: this run")
     status: tuple[Literal["ready", "consumed", "quarantined", "retired"], ...] = ("consumed",)
-    where: str | None = Field(default=None, description="a boolean SQL expression over "
-                              "experiences' columns (run alone, read-only, like a pipeline's)")
+    where: Annotated[str | None, AfterValidator(expression)] = Field(
+        default=None, description="a boolean SQL expression over experiences' columns (run "
+        "alone, read-only, like a pipeline's)")
     order: Literal["id", "reward", "random"] = "id"
     select: Literal["groups", "best"] = Field(
         default="groups", description="groups: whole groups; best: each group's "
@@ -477,7 +505,7 @@ class StageConfig(Section):
 
     name: RunName
     algorithm: AlgorithmChoice
-    steps: Count = count(None, 1, 100_000_000)
+    steps: Count = Field(ge=1, le=100_000_000, description="optimizer steps (required)")
     lr: Number | None = number(None, gt=0, le=1, description="unset: trainer.lr")
     batch: Count | None = count(None, 1, 1_000_000, "groups (pairs for preferences, tasks "
                                 "for tasks) per step; unset: trainer.batch_groups")

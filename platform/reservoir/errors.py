@@ -35,6 +35,11 @@ class LeaseLost(StoreError):
     """Leased rows expired and were reclaimed before the step committed; nothing was consumed."""
 
 
+class ClaimLost(StoreError):
+    """An explorer's claims on tasks expired and went to another worker before its groups were
+    written; nothing of that write stayed."""
+
+
 class FlowControlTimeout(StoreError):
     """A lease or a write waited longer than its timeout for the flow-control limits to allow it."""
 

@@ -59,6 +59,8 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
                                     parse_constant=_no_constant)
             except _Refused as exc:
                 raise ConfigError(f"{path} line {number}: {exc}") from None
+            except RecursionError:
+                raise ConfigError(f"{path} line {number}: the JSON is nested too deeply") from None
             except ValueError as exc:
                 raise ConfigError(f"{path} line {number}: not valid JSON: {exc}") from None
             if not isinstance(record, dict):
@@ -108,7 +110,10 @@ READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
 
 def _task_row(path: Path, number: int, record: dict[str, Any]) -> dict[str, Any]:
     where = f"{path} row {number}"
-    values = {key: _cell(where, str(key), _plain(value)) for key, value in record.items()}
+    try:
+        values = {key: _cell(where, str(key), _plain(value)) for key, value in record.items()}
+    except RecursionError:
+        raise ConfigError(f"{where}: a value is nested too deeply; no task was loaded") from None
     prompt = values.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError(f"{where}: column 'prompt' = {prompt!r}: every task needs a non-empty "
@@ -126,6 +131,10 @@ def _task_row(path: Path, number: int, record: dict[str, Any]) -> dict[str, Any]
             check_demonstration(values["messages"], f"{where}: column 'messages'")
         except ValueError as exc:
             raise ConfigError(f"{exc}; no task was loaded") from None
+    elif answer is None:
+        raise ConfigError(f"{where}: column 'answer' is missing: every task needs its answer "
+                          "(the ground truth its reward checks: text or a number), or a "
+                          "demonstration (messages); no task was loaded")
     payload = {k: v for k, v in values.items() if k not in KNOWN}
     return {"prompt": prompt, "answer": None if answer is None else str(answer),
             "split": split or "train", "source": str(source or path.name), "payload": payload}

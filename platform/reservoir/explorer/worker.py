@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reservoir.config import ReservoirConfig
+from reservoir.errors import ClaimLost
 from reservoir.explorer.engine import Engine, make_engine, take_policy
 from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.policy import Sampling
@@ -29,7 +30,7 @@ from reservoir.store.notify import Listener
 from reservoir.store.pace import Pace, claim_budget
 from reservoir.store.retry import Patience, is_outage
 from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of, status_of
-from reservoir.store.tasks import claim_tasks, finish_claims, release_claims
+from reservoir.store.tasks import claim_tasks, finishing, release_claims
 from reservoir.trainer.stages import last_step, plan
 
 DONE = ("finished", "stopped", "failed")
@@ -126,9 +127,12 @@ class ExplorerWorker:
                          Sampling(explorer.n, explorer.temperature, explorer.max_tokens),
                          run=self.config.run.name, version=self.version,
                          reward=explorer.reward)
-        store.write_groups(groups, status="raw" if self.config.pipelines else "ready")
-        with store.engine.begin() as conn:
-            finish_claims(conn, self.token, [row[0] for row in claimed])
+        try:  # the groups and their tasks' counts commit together, or neither does
+            store.write_groups(groups, status="raw" if self.config.pipelines else "ready",
+                               before_copy=finishing(self.token, [row[0] for row in claimed]))
+        except ClaimLost as exc:
+            print(f"{self.name}: {exc}", flush=True)
+            return "explored"
         stats.groups += len(claimed)
         return "explored"
 

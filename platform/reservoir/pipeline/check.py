@@ -26,9 +26,16 @@ def check_file(path: Path) -> tuple[PipelineSpec, list[Step]]:
 
 
 def check_spec(spec: PipelineSpec) -> list[Step]:
-    """Operators built (names, arguments, ranges checked) and expectations on known columns."""
+    """Operators built (names, arguments, ranges checked), expectations, the text key and the
+    priority field on known columns."""
     steps = build_steps(spec.operators, spec.text_key)
-    check_specs(spec.validate_.expectations, row_columns(spec))
+    columns = row_columns(spec)
+    check_specs(spec.validate_.expectations, columns)
+    for key, value in (("text_key", spec.text_key), ("output.priority_from",
+                                                      spec.output.priority_from)):
+        if value is not None and value not in columns:
+            raise ConfigError(f"{key}: {value!r} is no field of the rows (they have "
+                              f"{', '.join(sorted(columns))})")
     selectors = [step.name for step in steps if step.kind == "selector"]
     if selectors and spec.mode == "stream" and spec.output.unselected == "keep":
         raise ConfigError(f"process ({selectors[0]}): a stream pipeline that keeps unselected "

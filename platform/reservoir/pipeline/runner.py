@@ -61,7 +61,7 @@ def run_pipeline(store: Store, spec: PipelineSpec, *, runs: list[str] | None = N
     """Run once; raises PipelineFailed (or ConfigError before anything is written)."""
     steps = check_spec(spec)
     with store.engine.connect() as conn:
-        run_ids = [run_id_of(conn, name) for name in (runs or spec.source.runs)]
+        run_ids = [run_id_of(conn, name) for name in spec.runs_to_read(runs)]
     with store.engine.connect() as session:  # held open: its life is the run's
         with session.begin():
             queries.mark_abandoned(session)

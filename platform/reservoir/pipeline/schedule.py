@@ -20,7 +20,7 @@ from rich.console import Console
 from reservoir.errors import ConfigError, ReservoirError
 from reservoir.pipeline.check import check_file
 from reservoir.pipeline.runner import run_pipeline
-from reservoir.pipeline.spec import load_pipeline
+from reservoir.pipeline.spec import check_cron, load_pipeline
 from reservoir.store import Store
 from reservoir.store import schedules as queries
 from reservoir.store.retry import Patience
@@ -48,12 +48,16 @@ def add_schedule(store: Store, file: Path, cron: str | None = None,
     cron = cron or spec.schedule
     if cron is None:
         raise ConfigError(f"{file}: no schedule: give --cron or a `schedule:` key in the file")
-    if not croniter.is_valid(cron):
-        raise ConfigError(f"--cron {cron!r}: not a cron expression (five fields, e.g. "
-                          "'*/10 * * * *' for every ten minutes)")
+    try:
+        check_cron(cron)
+    except ValueError as exc:
+        raise ConfigError(f"--cron: {exc}") from None
     if spec.mode == "stream":
         raise ConfigError(f"{file}: mode is stream, which runs continuously; schedule a "
                           "pipeline with mode: once")
+    if not spec.source.runs:
+        raise ConfigError(f"{file}: source.runs: a scheduled pipeline names the runs it reads "
+                          "(runs: [NAME, ...]) or says runs: all; nothing was scheduled")
     with store.engine.begin() as conn:
         schedule_id = queries.add(conn, name=name or spec.name,
                                   pipeline_file=str(Path(file).resolve()), cron=cron,

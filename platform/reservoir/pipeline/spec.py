@@ -3,7 +3,8 @@
     name: clean                      # default: the file's name
     source:
       table: experiences             # the rows a pipeline reads and decides about
-      runs: [reverse-grpo]           # `--run` on the command line overrides
+      runs: [reverse-grpo]           # or `all`; `--run` on the command line overrides; a
+                                     # pipeline that names none runs only with --run
       status: [raw]                  # raw, ready or quarantined (never leased or consumed)
       where: "reward >= :floor"      # one boolean expression; runs alone, read-only, bound
       params: {floor: 0}
@@ -37,15 +38,15 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
+                      field_validator)
 
-from reservoir.config import RunName, describe_errors
+from reservoir.config import RunName, describe_errors, expression
 from reservoir.errors import ConfigError
 from reservoir.yamlfile import read_yaml
 from reservoir.store.source import ORDERABLE
-from reservoir.store.usersql import UserSQLError, check_expression
 
 
 class Part(BaseModel):
@@ -54,9 +55,9 @@ class Part(BaseModel):
 
 class Source(Part):
     table: Literal["experiences"] = "experiences"
-    runs: tuple[RunName, ...] = ()
+    runs: tuple[RunName, ...] | Literal["all"] = ()
     status: tuple[Literal["raw", "ready", "quarantined"], ...] = ("raw",)
-    where: str | None = None
+    where: Annotated[str | None, AfterValidator(expression)] = None
     params: dict[str, Any] = Field(default_factory=dict)
     order_by: tuple[str, ...] = ("created_at", "id")
     limit: int | None = Field(default=None, ge=1, le=10_000_000, strict=True)
@@ -76,16 +77,6 @@ class Source(Part):
     def _some_status(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
             raise ValueError("name at least one status to read (raw, ready or quarantined)")
-        return value
-
-    @field_validator("where")
-    @classmethod
-    def _one_expression(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                check_expression(value, "one boolean expression")
-            except UserSQLError as exc:
-                raise ValueError(str(exc)) from None
         return value
 
 
@@ -119,11 +110,8 @@ class PipelineSpec(Part):
     @field_validator("schedule")
     @classmethod
     def _cron(cls, value: str | None) -> str | None:
-        from croniter import croniter
-
-        if value is not None and not croniter.is_valid(value):
-            raise ValueError(f"{value!r} is not a cron expression (five fields, e.g. "
-                             "'*/10 * * * *' for every ten minutes)")
+        if value is not None:
+            check_cron(value)
         return value
 
     @field_validator("process")
@@ -135,6 +123,20 @@ class PipelineSpec(Part):
                                  f"e.g. '- text_length_filter: {{min_len: 1}}' (got {list(step)})")
         return tuple({name: dict(args or {})} for step in steps for name, args in step.items())
 
+    def runs_to_read(self, given: list[str] | None = None) -> list[str]:
+        """The runs a pass reads: `given` (--run, or the run a stream serves), else the file's
+        own; [] for every run (`runs: all`). ConfigError when neither names any: an empty
+        file ran on every run's rows."""
+        if given:
+            return list(given)
+        if self.source.runs == "all":
+            return []
+        if self.source.runs:
+            return list(self.source.runs)
+        raise ConfigError(f"pipeline {self.name!r}: source.runs: it names no run: give --run "
+                          "NAME, name them in the file (runs: [NAME, ...]) or say runs: all; "
+                          "nothing was changed")
+
     @property
     def operators(self) -> list[tuple[str, dict[str, Any]]]:
         return [next(iter(step.items())) for step in self.process]
@@ -145,10 +147,24 @@ class PipelineSpec(Part):
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+def check_cron(value: str) -> str:
+    """A cron expression of five fields (croniter also takes six, the first seconds: a
+    schedule meant every ten minutes would run every ten seconds); ValueError otherwise."""
+    from croniter import croniter
+
+    if len(value.split()) != 5 or not croniter.is_valid(value):
+        raise ValueError(f"{value!r} is not a cron expression of five fields (minute hour "
+                         "day month weekday, e.g. '*/10 * * * *' for every ten minutes)")
+    return value
+
+
 def load_pipeline(path: Path | str) -> PipelineSpec:
     """Read and validate a pipeline file; errors name the file, key and line."""
     raw, lines = read_yaml(path, "pipeline")
-    raw = raw if raw is not None else {}
+    if raw is None or raw == {}:
+        raise ConfigError(f"{path}: the file is empty; a pipeline says at least which rows it "
+                          "reads (source: {runs: [NAME]} or runs: all) and what it does with "
+                          "them")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping (source, process, ...)")
     return parse_pipeline({"name": Path(path).stem, **raw}, source=str(path), lines=lines)

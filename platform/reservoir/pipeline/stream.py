@@ -60,7 +60,7 @@ class PipelineWorker:
         """Pass after pass until asked to stop, or until its runs have ended and it is idle."""
         spec = stream_spec(self.path)
         stats = StreamStats(spec.name)
-        runs = self.runs or list(spec.source.runs)
+        runs = spec.runs_to_read(self.runs)
         patience = Patience(self.config.store.outage_patience_s, say=print)
         with Store.open(self.config, quiet=True) as store:
             with store.engine.connect() as conn:

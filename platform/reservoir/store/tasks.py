@@ -1,8 +1,11 @@
 """Queries on tasks: the prompts explorers work on, and the claims explorer workers hold.
 
-A worker claims tasks (a token, its name, an expiry), explores them, writes their groups and
-then finishes the claim, which counts each task as explored once more. A worker that dies
-leaves claims that expire; the tasks are claimed again, least explored first.
+A worker claims tasks (a token, its name, an expiry), explores them, and writes their groups
+with the claims finished in the same transaction (`finishing`: each task counted as explored
+once more): a group is written exactly when its task is counted. A claim that expired and
+went to another worker meanwhile fails the whole write, so a task is never explored twice for
+one count. A worker that dies leaves claims that expire; the tasks are claimed again, least
+explored first.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from datetime import timedelta
 from typing import Any, Iterable
 
 from sqlalchemy import Connection, func, insert, literal, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
 
+from reservoir.errors import ClaimLost
 from reservoir.store.schema import tasks
 
 Claimed = tuple[int, str, str | None, dict]  # id, prompt, answer, payload
@@ -61,12 +66,21 @@ def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, w
     return sorted((tuple(row) for row in conn.execute(stmt)), key=lambda row: row[0])
 
 
-def finish_claims(conn: Connection, token: uuid.UUID, task_ids: list[int]) -> int:
-    """The groups of these tasks are written: clear their claims, count them explored."""
+def finishing(token: uuid.UUID, task_ids: list[int]):
+    """What a write of these tasks' groups runs in its transaction (the writer's
+    `before_copy`): their claims cleared and each counted explored once more; ClaimLost (and
+    nothing of the write) when this token no longer holds every one of them."""
     stmt = (update(tasks).where(tasks.c.id.in_(task_ids), tasks.c.claim_token == token)
             .values(times_explored=tasks.c.times_explored + 1, claim_token=None,
                     claimed_by=None, claimed_until=None))
-    return conn.execute(stmt).rowcount
+
+    async def finish(conn: AsyncConnection) -> None:
+        held = (await conn.execute(stmt)).rowcount
+        if held != len(set(task_ids)):
+            raise ClaimLost(f"{len(set(task_ids)) - held} of {len(set(task_ids))} claimed tasks "
+                            "expired and went to another explorer meanwhile; their groups were "
+                            "not written (another explorer writes them)")
+    return finish
 
 
 def release_claims(conn: Connection, token: uuid.UUID) -> int:
