@@ -66,3 +66,39 @@ def test_a_waiting_lease_wakes_when_rows_are_written(make_store):
     thread.join(20)
     assert len(got["lease"].rows) == 2
     assert got["at"] < 2.0, got["at"]  # woken by the write, not by its 5 s poll
+
+
+def test_a_stream_started_before_its_run_waits_for_it_and_for_a_failed_run_s_trainer(
+        store, db_url, tmp_path):
+    """Issue 28: a stream started before its run existed stopped at once; a stream of a run
+    whose trainer failed exited with code 0, so `--resume` of the trainer alone left raw rows
+    nobody processed. It waits for both (saying so) and ends when the run has ended."""
+    spec = tmp_path / "gate.yaml"
+    spec.write_text("mode: stream\nsource: {status: [raw], runs: [later]}\n"
+                    "process:\n  - text_length_filter: {min_len: 1}\n")
+    worker = start_reservoir("pipeline", "run", str(spec), url=db_url, cwd=tmp_path)
+    output = tmp_path / "reservoir.log"
+    try:
+        time.sleep(8)  # the imports, then its first look for the run
+        assert worker.poll() is None, output.read_text()
+        store.create_run("later", group_size=2)
+        with store.engine.begin() as conn:
+            conn.execute(text("UPDATE runs SET status = 'failed' WHERE name = 'later'"))
+        store.write_groups([make_group("later", size=2)], status="raw")
+        deadline = time.monotonic() + 60
+        while _status_of_first_row(store.engine, "later") != "ready":
+            assert worker.poll() is None and time.monotonic() < deadline, output.read_text()
+            time.sleep(0.1)
+        time.sleep(2 * stream.POLL_S + 1)
+        assert worker.poll() is None, output.read_text()  # failed: it waits for a resume
+        with store.engine.begin() as conn:
+            conn.execute(text("UPDATE runs SET status = 'finished' WHERE name = 'later'"))
+        worker.wait(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGINT)
+            worker.wait(timeout=30)
+    log = output.read_text()
+    assert worker.returncode == 0, log
+    assert "waiting for run 'later' to be created" in log, log
+    assert "run 'later' failed: waiting up to" in log, log

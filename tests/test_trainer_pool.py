@@ -27,6 +27,7 @@ from reservoir.trainer.learner import Learner
 from reservoir.trainer.ranks import TrainerPool
 from tests.test_recovery import (finish, offline_groups, query, start, trainer_config, wait_for,
                                  write_config)
+from tests.test_restart import own_server  # noqa: F401 (a fixture)
 from tests.test_run import ledger
 
 
@@ -138,17 +139,17 @@ def test_a_killed_follower_fails_the_run_loses_nothing_and_resume_finishes(tmp_p
                           r"during step (\d+), which was not committed; continue the run with "
                           r"--resume", output.strip().splitlines()[-1])
     assert failed, output
-    finish(explorer)  # it saw the run failed and stopped
+    time.sleep(3)  # issue 28: it exited with code 0, and a resumed trainer had no explorer
+    assert explorer.poll() is None  # it waits for the trainer to resume
     assert query(db_url, "SELECT status, max(step) FROM runs, train_steps GROUP BY 1") == [
         ("failed", int(failed.group(1)) - 1)]
     assert_nothing_lost(db_url)
 
     resumed = start("train", str(config_path), "--resume", cwd=tmp_path)
-    wait_for(lambda: query(db_url, "SELECT 1 FROM runs WHERE status = 'running'"))
-    explorer = start("explore", str(config_path), cwd=tmp_path)
     output = finish(resumed)
     assert f"replayed {int(failed.group(1)) - 1} committed steps" in output  # through the pool
-    finish(explorer)
+    explored = finish(explorer)
+    assert "run 'pool' failed: waiting up to" in explored and "resumed" in explored, explored
     found = ledger(db_url)
     assert found["steps"] == list(range(7)) and found["status"] == "finished", output
     assert (found["bad_steps"], found["trained_twice"]) == (0, 0)
@@ -200,3 +201,42 @@ def test_followers_exit_when_rank_0_is_killed_and_the_pool_resumes_exactly(
                for side in ("straight", "killed")]
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_follower_waits_out_a_database_outage_in_its_step(tmp_path, own_server):
+    """Issue 28: rank 1 fetched its step's rows with no patience, so a PostgreSQL restart
+    failed the run ('connection was closed in the middle of operation') while rank 0 and the
+    explorers waited it out. Here the store is down when the follower fetches: it waits, and
+    the step finishes once the store is back."""
+    import threading
+
+    config = pool_config(tmp_path, own_server.url, build_tiny_model(tmp_path / "tiny", seed=15))
+    with Store(own_server.url) as store:
+        from reservoir.store import migrate
+
+        migrate.upgrade(store.engine)
+        ensure_run(store, config)
+        store.write_groups(offline_groups("pool", 2))
+        rows = sorted(store.lease("pool", groups=2).rows, key=lambda row: row.id)
+    learner = Learner(config)
+    learner.begin(learner.plan[0])
+    with TrainerPool(config, learner) as pool:
+        pool.load(learner.save(tmp_path / "ck", 0, 0))  # every rank in the stage
+        own_server.stop()
+        outcome: list = []
+        stepping = threading.Thread(target=lambda: outcome.append(_train_or_error(
+            pool, rows, make_batch(rows, learner.tokenizer.pad_token_id))))
+        stepping.start()
+        time.sleep(3)  # the follower asks the store for the rows now, and waits
+        own_server.start()
+        stepping.join(120)
+        followers = list(pool.followers)
+    assert isinstance(outcome[0], dict) and outcome[0]["loss"] == outcome[0]["loss"], outcome
+    assert [p.exitcode for p in followers] == [0]
+
+
+def _train_or_error(pool, rows, batch):
+    try:
+        return pool.train(1, rows, batch)
+    except Exception as exc:
+        return exc

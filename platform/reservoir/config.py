@@ -534,6 +534,11 @@ class RunSection(Section):
         "step, with its tasks and, for stored-data stages, its experiences up to that step")
     ray_address: str | None = Field(
         default=None, description="Ray cluster to run the worker pools on; unset: local Ray")
+    resume_wait_s: Number = number(
+        3600.0, ge=0, le=30 * DAY, description="how long the run's explorers and stream "
+        "pipelines started on their own wait for its trainer to resume once the run failed "
+        "(`train --resume`), and a stream for its run to be created; past it they stop with "
+        "exit code 1")
 
 
 class ReservoirConfig(Section):

@@ -60,9 +60,11 @@ def run(config: ReservoirConfig, *, resume: bool = False,
             _supervise(Monitor(store.engine, config.run.name, total_steps(config)), console,
                        finished=lambda wait: bool(ray.wait([done], timeout=wait)[0]),
                        stop=lambda: [w.request_stop.remote() for w in workers])
-            summary = _unwrap(lambda: ray.get(done))
-            for worker in workers[1:]:
-                worker.request_stop.remote()
+            try:
+                summary = _unwrap(lambda: ray.get(done))
+            finally:  # its explorers and streams would wait for a failed trainer to resume
+                for worker in workers[1:]:
+                    worker.request_stop.remote()
             _report(explored + streamed, console)
     return summary
 

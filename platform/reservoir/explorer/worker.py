@@ -28,12 +28,12 @@ from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.store import Store
 from reservoir.store.notify import Listener
 from reservoir.store.pace import Pace, claim_budget
-from reservoir.store.retry import Patience, is_outage
+from reservoir.store.retry import Patience, Resumption, is_outage
 from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of, status_of
 from reservoir.store.tasks import claim_tasks, finishing, release_claims
 from reservoir.trainer.stages import last_step, plan
 
-DONE = ("finished", "stopped", "failed")
+DONE = ("finished", "stopped")  # a failed run waits for its trainer to resume (Resumption)
 IDLE_POLL_S = 1.0  # re-check the store this often even without a notification
 
 
@@ -85,13 +85,16 @@ class ExplorerWorker:
                 Listener(store.engine, POLICY_CHANNEL) as listener:
             with store.engine.connect() as conn:
                 run_id = run_id_of(conn, self.config.run.name)
+            resumption = Resumption(self.config.run.name, self.config.run.resume_wait_s,
+                                    say=lambda line: print(f"{self.name}: {line}", flush=True))
             try:
                 while not self._stop.is_set():
                     outcome = patience(lambda: self._once(store, run_id, batcher, stats),
                                        self.name, before_retry=lambda: self._release(store))
                     if outcome == "done":
                         break
-                    if outcome == "wait":
+                    resumption.check(outcome == "failed")
+                    if outcome in ("wait", "failed"):
                         listener.wait(IDLE_POLL_S)
             finally:
                 self._release(store, quietly=True)
@@ -108,11 +111,14 @@ class ExplorerWorker:
                 raise
 
     def _once(self, store: Store, run_id: int, batcher: Batcher, stats: ExplorerStats) -> str:
-        """One round: 'done' (the run ended), 'wait' (nothing to do yet) or 'explored'."""
+        """One round: 'done' (the run ended), 'failed' (its trainer failed), 'wait' (nothing
+        to do yet) or 'explored'."""
         with store.engine.connect() as conn:
             status, policy = status_of(conn, run_id), latest_policy(conn, run_id)
         if status in DONE:
             return "done"
+        if status == "failed":
+            return "failed"
         if policy is None:
             return "wait"  # the trainer has not published version 0 yet
         if policy[0] != self.version:

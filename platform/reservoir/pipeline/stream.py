@@ -4,7 +4,10 @@ one until Ctrl-C.
 
 Each pass is an ordinary pipeline run (one transaction, a pipeline_runs row with trigger
 `stream`); passes with nothing to do are skipped without a row. Streams of the same run should
-not select the same rows: put the operators in one pipeline instead.
+not select the same rows: put the operators in one pipeline instead. A stream waits for its
+runs to be created, and while a run is failed it goes on with the rows there are and waits
+for the trainer to resume (run.resume_wait_s, saying so); it ends when its runs have finished
+or stopped and nothing is left.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ from reservoir.pipeline.spec import PipelineSpec, load_pipeline
 from reservoir.store import Store
 from reservoir.store.notify import Listener, rows_channel
 from reservoir.store.pipelines import has_rows
-from reservoir.store.retry import Patience
-from reservoir.store.runs import run_id_of, status_of
+from reservoir.errors import ReservoirError
+from reservoir.store.retry import Patience, Resumption
+from reservoir.store.runs import lookup, status_of
 
 # Rows written to a run notify its channel, which wakes the stream at once; the poll is a
 # fallback (and the only wake-up of a stream over every run, which has no channel to listen on).
 POLL_S = 0.5
 ALL_RUNS_POLL_S = 0.2
-DONE = ("finished", "stopped", "failed")
+DONE = ("finished", "stopped")
 
 
 @dataclass
@@ -62,31 +66,58 @@ class PipelineWorker:
         stats = StreamStats(spec.name)
         runs = spec.runs_to_read(self.runs)
         patience = Patience(self.config.store.outage_patience_s, say=print)
+        resumption = Resumption(", ".join(runs), self.config.run.resume_wait_s,
+                                say=lambda line: print(f"pipeline {spec.name}: {line}",
+                                                       flush=True))
         with Store.open(self.config, quiet=True) as store:
-            with store.engine.connect() as conn:
-                run_ids = [run_id_of(conn, name) for name in runs]
+            run_ids = patience(lambda: self._run_ids(store, spec, runs), f"pipeline {spec.name}")
             wait_s = POLL_S if run_ids else ALL_RUNS_POLL_S
             with Listener(store.engine, *[rows_channel(r) for r in run_ids]) as listener:
                 while not self._stop.is_set():  # a pass lost to a restart is simply run again
-                    outcome = patience(lambda: self._pass(store, spec, runs, run_ids, stats),
-                                       f"pipeline {spec.name}")
+                    outcome, failed = patience(
+                        lambda: self._pass(store, spec, runs, run_ids, stats),
+                        f"pipeline {spec.name}")
                     if outcome == "ended":
                         break
+                    resumption.check(failed)
                     if outcome == "idle":
                         listener.wait(wait_s)
         return stats
 
+    def _run_ids(self, store: Store, spec: PipelineSpec, runs: list[str]) -> list[int]:
+        """The runs' ids, once each exists (waiting up to run.resume_wait_s, saying so)."""
+        limit, waited = self.config.run.resume_wait_s, 0.0
+        while True:
+            with store.engine.connect() as conn:
+                found = {row.name: row.id for row in conn.execute(lookup(runs))}
+            missing = [name for name in runs if name not in found]
+            if not missing:
+                return [found[name] for name in runs]
+            if waited == 0:
+                print(f"pipeline {spec.name}: waiting for run {missing[0]!r} to be created (up "
+                      f"to {limit:g} s)", flush=True)
+            if self._stop.is_set():
+                return []  # stopping: the loop that would use them does not start
+            if waited > limit:
+                raise ReservoirError(f"pipeline {spec.name}: run {missing[0]!r} was not created "
+                                     f"within {limit:g} s (run.resume_wait_s)")
+            self._stop.wait(POLL_S)
+            waited += POLL_S
+
     def _pass(self, store: Store, spec: PipelineSpec, runs: list[str], run_ids: list[int],
-              stats: StreamStats) -> str:
-        """'ended' (its runs ended and nothing is left), 'idle' (nothing to do) or 'ran'."""
+              stats: StreamStats) -> tuple[str, bool]:
+        """('ended': its runs ended and nothing is left, 'idle': nothing to do, or 'ran'),
+        and whether one of its runs is failed (its trainer may resume)."""
         with store.engine.connect() as conn:
             pending = has_rows(conn, run_ids, spec.source.status)
-            ended = run_ids and all(status_of(conn, r) in DONE for r in run_ids)
+            statuses = [status_of(conn, r) for r in run_ids]
+        failed = "failed" in statuses
         if not pending:
-            return "ended" if ended else "idle"
+            ended = bool(run_ids) and all(status in DONE for status in statuses)
+            return ("ended" if ended else "idle"), failed
         result = run_pipeline(store, spec, runs=runs, trigger="stream",
                               source_file=str(self.path))
         stats.passes += 1
         stats.rows_in += result.rows_in
         stats.rows_out += result.rows_out
-        return "ran"
+        return "ran", failed

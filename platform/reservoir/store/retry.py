@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Callable, TypeVar
 
-from reservoir.errors import StoreError
+from reservoir.errors import ReservoirError, StoreError
 
 T = TypeVar("T")
 # SQLSTATE classes 08 (connection exception) and 57P (operator intervention: shutdown, crash
@@ -66,6 +66,31 @@ def describe_outage(exc: BaseException) -> str:
         if text:
             return text[:200]
     return type(exc).__name__
+
+
+class Resumption:
+    """How a worker of a run waits while the run is failed: it says so once, says when the
+    trainer resumed (`train --resume`), and past `seconds` stops with a ReservoirError."""
+
+    def __init__(self, run: str, seconds: float, *, say: Callable[[str], None] = print) -> None:
+        self.run, self.seconds, self.say = run, seconds, say
+        self.since: float | None = None
+
+    def check(self, failed: bool) -> None:
+        """Call it each round with whether the run is failed now."""
+        if not failed:
+            if self.since is not None:
+                self.say(f"run {self.run!r}: its trainer resumed; carrying on")
+            self.since = None
+            return
+        if self.since is None:
+            self.since = time.monotonic()
+            self.say(f"run {self.run!r} failed: waiting up to {self.seconds:g} s for its "
+                     "trainer to resume (`reservoir train CONFIG --resume`)")
+        elif time.monotonic() - self.since > self.seconds:
+            raise ReservoirError(f"run {self.run!r} failed and its trainer did not resume "
+                                 f"within {self.seconds:g} s (run.resume_wait_s); start this "
+                                 "again with the trainer's --resume")
 
 
 class Patience:

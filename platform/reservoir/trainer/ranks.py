@@ -9,8 +9,9 @@ with the same settings. Rank 0 alone leases, commits, publishes, evaluates and c
 open the store only to fetch rows, and obey commands rank 0 broadcasts as int64 tensors (no
 pickle):
 
-- TRAIN [step, n] + n row ids: fetch the rows from the store, put them in rank 0's order, train
-  this rank's share of them (`Ranks.share`); `train_step` sums the gradients over all ranks.
+- TRAIN [step, n] + n row ids: fetch the rows from the store (waiting out an outage as rank 0
+  does: store.outage_patience_s), put them in rank 0's order, train this rank's share of them
+  (`Ranks.share`); `train_step` sums the gradients over all ranks.
 - LOAD [0, n] + n bytes of a checkpoint's path: load its weights and optimizer state, then a
   barrier, so every rank holds what rank 0 holds before the next step.
 - STOP: exit.
@@ -43,6 +44,7 @@ from reservoir.config import ReservoirConfig
 from reservoir.devices import resolve_device
 from reservoir.errors import RankLost, ReservoirError, StepNotFinite
 from reservoir.store import Store
+from reservoir.store.retry import Patience
 from reservoir.store.runs import run_id_of
 from reservoir.trainer.batch import TrainBatch, make_batch
 from reservoir.trainer.learner import Learner
@@ -259,6 +261,8 @@ class _Follower:
 
     def __init__(self, config: ReservoirConfig, rank: int, store: Store) -> None:
         self.config, self.store, self.world = config, store, config.trainer.workers
+        self.patience = Patience(config.store.outage_patience_s, say=lambda line: print(
+            f"trainer rank {rank}: {line}", file=sys.stderr, flush=True))
         self.learner = Learner(config, rank)
         self.device, self.ranks = self.learner.device, Ranks(rank, self.world, _reduce)
         self.tasks = None  # (prompt, answer) pairs of sft stages on tasks, read once
@@ -291,7 +295,8 @@ class _Follower:
         tasks; this rank's share trained."""
         learner = self.learner
         if ids:
-            by_id = {row.id: row for row in self.store.fetch(ids)}
+            fetched = self.patience(lambda: self.store.fetch(ids), f"step {step}'s rows")
+            by_id = {row.id: row for row in fetched}
             if len(by_id) != len(set(ids)):
                 raise ReservoirError(f"step {step}: {len(set(ids)) - len(by_id)} of its "
                                      f"{len(ids)} rows are not in the store")
@@ -299,14 +304,18 @@ class _Follower:
                                self.device)
         else:
             if self.tasks is None:
-                with self.store.engine.connect() as conn:
-                    run_id = run_id_of(conn, self.config.run.name)
-                    self.tasks = demonstrations(learner.tokenizer, [
-                        conversation(*row[1:]) for row in sft_tasks(conn, self.config, run_id)])
+                self.tasks = self.patience(self._demonstrations, "the run's tasks")
             batch = task_batch(learner.tokenizer.pad_token_id, self.tasks,
                                stage_at(learner.plan, step).batch,
                                seed=self.config.run.seed, step=step).to(self.device)
         learner.train(step, batch, self.ranks)
+
+
+    def _demonstrations(self) -> list:
+        with self.store.engine.connect() as conn:
+            run_id = run_id_of(conn, self.config.run.name)
+            return demonstrations(self.learner.tokenizer, [
+                conversation(*row[1:]) for row in sft_tasks(conn, self.config, run_id)])
 
 
 def _receive(commands) -> tuple[int, int, torch.Tensor | None]:
