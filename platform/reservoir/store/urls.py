@@ -71,7 +71,7 @@ def render(options: dict[str, str], *, secrets: str = "keep") -> str:
             port = None
         host = None
     query = {"host": host, "port": port, **options}
-    tail = "&".join(f"{quote(key, safe='')}={quote(value, safe='')}"
+    tail = "&".join(f"{quote(key, safe='')}={value if value == '***' else quote(value, safe='')}"
                     for key, value in query.items() if value is not None)
     return f"postgresql://{netloc}/{quote(database or '', safe='')}" + (f"?{tail}" if tail else "")
 
