@@ -78,13 +78,20 @@ def test_two_ranks_train_the_weights_one_worker_trains(tmp_path, store, db_url):
         assert two["train_tokens"] == one["train_tokens"]
 
 
-def test_a_killed_follower_fails_the_step_in_process(tmp_path, store, db_url):
-    config = pool_config(tmp_path, db_url, build_tiny_model(tmp_path / "tiny", seed=12))
+def leased_in_a_stage(store, config) -> tuple[list, Learner]:
+    """Two groups of the pool's run written and leased (in id order), and a learner that has
+    begun the run's first stage."""
     ensure_run(store, config)
     store.write_groups(offline_groups("pool", 2))
     rows = sorted(store.lease("pool", groups=2).rows, key=lambda row: row.id)
     learner = Learner(config)
     learner.begin(learner.plan[0])
+    return rows, learner
+
+
+def test_a_killed_follower_fails_the_step_in_process(tmp_path, store, db_url):
+    config = pool_config(tmp_path, db_url, build_tiny_model(tmp_path / "tiny", seed=12))
+    rows, learner = leased_in_a_stage(store, config)
     with TrainerPool(config, learner) as pool:
         follower = pool.followers[0]
         os.kill(follower.pid, signal.SIGKILL)
@@ -211,15 +218,8 @@ def test_a_follower_waits_out_a_database_outage_in_its_step(tmp_path, own_server
     import threading
 
     config = pool_config(tmp_path, own_server.url, build_tiny_model(tmp_path / "tiny", seed=15))
-    with Store(own_server.url) as store:
-        from reservoir.store import migrate
-
-        migrate.upgrade(store.engine)
-        ensure_run(store, config)
-        store.write_groups(offline_groups("pool", 2))
-        rows = sorted(store.lease("pool", groups=2).rows, key=lambda row: row.id)
-    learner = Learner(config)
-    learner.begin(learner.plan[0])
+    with Store.open(config, migrate=True, quiet=True) as store:
+        rows, learner = leased_in_a_stage(store, config)
     with TrainerPool(config, learner) as pool:
         pool.load(learner.save(tmp_path / "ck", 0, 0))  # every rank in the stage
         own_server.stop()
