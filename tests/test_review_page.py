@@ -270,7 +270,7 @@ def test_a_multi_turn_episode_is_shown_as_turns(store, review_server, db_url, tm
     model = build_tiny_model(tmp_path / "tiny")
     tokenizer = load_model(model)[1]
     store.create_run("agent", model=str(model))
-    turns = [("CALC 14+13", 1), ("<tool>27</tool>", 0), ("ANSWER 27", 1)]
+    turns = [("CALC 14+13<|end|>", 1), ("<|tool|>27<|end|><|assistant|>", 0), ("ANSWER 27", 1)]
     ids = [tokenizer.encode(text, add_special_tokens=False) for text, _ in turns]
     group = make_group("agent", size=1, response_len=sum(map(len, ids)))
     group[0].response_ids = [i for part in ids for i in part]
@@ -286,8 +286,8 @@ def test_a_multi_turn_episode_is_shown_as_turns(store, review_server, db_url, tm
     shown = re.findall(r'<div class="turn (model|environment)">(?:<span[^>]*>[^<]*</span>)?'
                        r"<pre>([^<]*)</pre>", page)
     assert [(kind, html.unescape(text)) for kind, text in shown] == [
-        ("model", "CALC 14+13"), ("environment", "<tool>27</tool>"), ("model", "ANSWER 27")]
-    assert "not trained" in page
+        ("model", "CALC 14+13"), ("environment", "27"), ("model", "ANSWER 27")]
+    assert "tool · not trained" in page
 
 
 EVIL_PAGE = """<!doctype html><html><body>

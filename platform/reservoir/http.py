@@ -106,8 +106,7 @@ class Guard:
             return 421, (f"Host {host[:100]!r} is not an address this server answers (a page "
                          "of another site, or a rebound DNS name)")
         origin = headers.get("origin")
-        if origin is not None and urlsplit(origin.lower())._replace(path="").geturl() \
-                != f"http://{host}":
+        if origin is not None and not _same_origin(origin, host):
             return 403, f"a page of another origin ({origin[:100]}) may not use this server"
         if headers.get("sec-fetch-site") == "cross-site":
             return 403, "a page of another site may not use this server"
@@ -122,6 +121,12 @@ class Guard:
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.max_body:,} bytes (the server's limit)"
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    """Whether a request's Origin is the server itself (http, or https through a proxy)."""
+    parts = urlsplit(origin.lower())
+    return parts.scheme in ("http", "https") and parts.netloc == host and not parts.path
 
 
 def loads(body: bytes):

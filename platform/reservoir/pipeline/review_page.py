@@ -120,9 +120,17 @@ def _tokenizer(model: str):
         return None
 
 
+ROLE_TOKEN = re.compile(r"<\|(\w+)\|>")
+# markers of a chat template that name no speaker (an environment turn ends with the template's
+# prompt for the model's next turn, `assistant`)
+NOT_ROLES = ("end", "pad", "unk", "endoftext", "im_end", "im_start", "eot_id", "assistant")
+
+
 def with_turns(row: dict) -> dict:
-    """The row with `turns`: [(model | environment, text)] of a response the environment
-    took part in (its action mask has zeros), decoded with the run's tokenizer; else None."""
+    """The row with `turns`: [(model | environment, role, text)] of a response the
+    environment took part in (its action mask has zeros), split by the mask and decoded with
+    the run's tokenizer (its special tokens name an environment turn's role: tool, user ...);
+    else None."""
     mask = codec.decode(row.get("action_mask"), codec.MASK) if row.get("action_mask") else None
     tokenizer = _tokenizer(row["model"]) if mask is not None and not mask.all() and \
         row.get("model") else None
@@ -131,8 +139,11 @@ def with_turns(row: dict) -> dict:
     ids, turns, start = codec.decode(row["response_ids"], codec.TOKEN).tolist(), [], 0
     for end in range(1, len(ids) + 1):
         if end == len(ids) or mask[end] != mask[start]:
-            turns.append(("model" if mask[start] else "environment",
-                          tokenizer.decode(ids[start:end], skip_special_tokens=False)))
+            text = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+            roles = [name for name in ROLE_TOKEN.findall(text) if name not in NOT_ROLES]
+            kind = "model" if mask[start] else "environment"
+            role = "model" if mask[start] else (roles[0] if roles else "environment")
+            turns.append((kind, role, ROLE_TOKEN.sub("", text).strip()))
             start = end
     return {**row, "turns": turns}
 

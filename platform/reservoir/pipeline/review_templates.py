@@ -26,7 +26,7 @@ table { border-collapse: collapse; background: #fff; } td, th { border: 1px soli
 </body></html>"""
 
 # A response, turn by turn when the environment took part (with_turns), else as its text.
-RESPONSE = """{% macro response(row) %}{% if row.turns %}{% for kind, text in row.turns %}<div class="turn {{ kind }}"><span class="role">{{ 'model' if kind == 'model' else 'environment · not trained' }}</span><pre>{{ text }}</pre></div>
+RESPONSE = """{% macro response(row) %}{% if row.turns %}{% for kind, role, text in row.turns %}<div class="turn {{ kind }}"><span class="role">{{ role }}{{ ' · not trained' if kind != 'model' }}</span><pre>{{ text }}</pre></div>
 {% endfor %}{% else %}<pre>{{ row.response }}</pre>{% endif %}{% endmacro %}"""
 
 REVIEWS = """{% extends "layout" %}{% from "response" import response %}{% block body %}
