@@ -47,8 +47,9 @@ def main() -> None:
     env = {**os.environ}
     subprocess.run([RESERVOIR, "db", "upgrade"], env=env, cwd=workdir, check=True,
                    stdout=subprocess.DEVNULL)
-    url = subprocess.run([RESERVOIR, "db", "url", "--show-password"], env=env, cwd=workdir,
-                         check=True, capture_output=True, text=True).stdout.strip()
+    url = os.environ.get("RESERVOIR_DB_URL") or subprocess.run(  # the embedded one: no password
+        [RESERVOIR, "db", "url"], env=env, cwd=workdir, check=True, capture_output=True,
+        text=True).stdout.strip()
     env["RESERVOIR_DB_URL"] = url
     commands = {
         "psql -c 'select 1'": [psql_binary(), url, "-c", "select 1"],
