@@ -246,8 +246,11 @@ def test_run_steps_keep_step_0_and_the_evaluations(store):
 ])
 @pytest.mark.parametrize("args", [("sql", "SELECT 1"), ("db", "status"), ("pipeline", "history"),
                                   ("inspect", "run", "x")])
-def test_a_bad_server_url_is_one_line_without_its_password(tmp_path, url, args):
-    """Issue 8: main printed a 143-line traceback."""
+def test_a_bad_server_url_is_one_line_without_its_password(tmp_path, monkeypatch, url, args):
+    """Issue 8: main printed a 143-line traceback. Reads log in as the reader, not as the
+    store's login (issue 28): the bad URL is the reader's too, else `sql` and `inspect` would
+    pass as reservoir_reader wherever an earlier test had created it."""
+    monkeypatch.setenv("RESERVOIR_READER_URL", url)
     line = one_line_error(reservoir(*args, url=url, cwd=tmp_path))
     assert "secret" not in line
 

@@ -204,3 +204,23 @@ def test_lease_flags_partial_groups_and_the_trainer_reports_them(store):
     lease = store.lease("d", groups=2)
     assert len(lease.rows) == 7 and list(lease.partial_groups().values()) == [(3, 4)]
     assert np.isfinite(make_batch(lease.rows, pad_id=0).rewards.numpy()).all()
+
+
+@pytest.mark.parametrize("field, value", [("shaped_reward", 1e39), ("shaped_reward", -2e6),
+                                          ("shaped_reward", float("nan")),
+                                          ("priority", float("inf"))])
+def test_a_shaped_reward_or_priority_no_trainer_can_hold_fails_the_pipeline(graded, field,
+                                                                            value):
+    """Issue 28: a shaped reward goes into the trainer's float32 batch as the reward does; an
+    operator writing one outside explorer.reward_range (or a priority that is not finite)
+    fails the pipeline, naming the row, and nothing of it is stored."""
+    from reservoir.pipeline.runner import PipelineFailed
+
+    before = rows(graded, "SELECT id, status, shaped_reward, priority FROM experiences ORDER BY id")
+    lambda_str = f"lambda row: {{**row, {field!r}: float({str(value)!r})}}"
+    process = [{"python_lambda_mapper": {"lambda_str": lambda_str}}]
+    options = {"priority_from": "priority"} if field == "priority" else {}
+    with pytest.raises(PipelineFailed, match=rf"experience 1: {field} = "):
+        run_pipeline(graded, spec(process, **options))
+    assert rows(graded, "SELECT id, status, shaped_reward, priority FROM experiences "
+                        "ORDER BY id") == before

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from reservoir.config import DEFAULT_REWARD_RANGE
 from reservoir.errors import ReservoirError
 from reservoir.pipeline.validate import Outcome, jsonable
 from reservoir.store import pipelines as queries
@@ -53,7 +55,8 @@ class Trace:
 
 
 def decide(spec, originals: dict, final: list[dict], trace: Trace, outcomes: list[Outcome],
-           pipeline_run: int) -> queries.Changes:
+           pipeline_run: int,
+           reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE) -> queries.Changes:
     changes = queries.Changes()
     failing = _validation_failures(spec, outcomes, changes)
     for row_id, event in trace.dropped.items():
@@ -69,7 +72,7 @@ def decide(spec, originals: dict, final: list[dict], trace: Trace, outcomes: lis
         if row_id in seen and spec.output.mapped == "update":
             raise PipelineFailed(f"an operator returned experience {row_id} twice (it adds rows):"
                                  " use output.mapped: augment to keep them as child rows")
-        values = _changed_values(spec, originals[row_id], row)
+        values = _changed_values(spec, originals[row_id], row, reward_range)
         records = trace.changes.get(row_id, []) if row_id not in seen else []
         if spec.output.mapped == "augment" and values.keys() & CONTENT:
             changes.children.append(_child(row, values, spec, pipeline_run, failing, records))
@@ -148,7 +151,8 @@ def _shown(fields: dict[str, tuple]) -> dict[str, dict]:
             for name, (before, after) in fields.items()}
 
 
-def _changed_values(spec, original: dict, row: dict) -> dict[str, Any]:
+def _changed_values(spec, original: dict, row: dict,
+                    reward_range: tuple[float, float]) -> dict[str, Any]:
     values = {name: _stored(name, row[name]) for name in TRACKED
               if name in row and _differs(original.get(name), row[name])}
     if "prompt_text" in values:
@@ -159,7 +163,23 @@ def _changed_values(spec, original: dict, row: dict) -> dict[str, Any]:
                              "written is kept (shaping operators write shaped_reward)")
     if spec.output.priority_from and row.get(spec.output.priority_from) is not None:
         values["priority"] = float(row[spec.output.priority_from])
+    _check_numbers(row["id"], values, reward_range)
     return values
+
+
+def _check_numbers(row_id: int, values: dict[str, Any], reward_range: tuple[float, float]) -> None:
+    """A shaped reward goes into the trainer's float32 batch as a reward does: it stays in the
+    reward range; a priority orders leases: it is finite."""
+    low, high = reward_range
+    shaped, priority = values.get("shaped_reward"), values.get("priority")
+    if shaped is not None and not (isinstance(shaped, (int, float)) and math.isfinite(shaped)
+                                   and low <= shaped <= high):
+        raise PipelineFailed(f"experience {row_id}: shaped_reward = {shaped!r}: an operator wrote "
+                             f"a shaped reward outside the reward range [{low:g}, {high:g}] "
+                             "(explorer.reward_range); nothing was stored")
+    if priority is not None and not math.isfinite(priority):
+        raise PipelineFailed(f"experience {row_id}: priority = {priority!r}: a priority is a "
+                             "finite number; nothing was stored")
 
 
 def _differs(a, b) -> bool:

@@ -96,7 +96,8 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
     with using(store.engine):  # operators that read the store read this one
         final, trace = _process(list(originals.values()), steps, progress)
     outcomes = validate(pd.DataFrame(final), spec.validate_.expectations) if final else []
-    changes = decide(spec, originals, final, trace, outcomes, pipeline_run)
+    changes = decide(spec, originals, final, trace, outcomes, pipeline_run,
+                     store.aio.reward_range)
     result = PipelineResult(pipeline_run, len(rows), len(final), trace.operators, changes,
                             outcomes, dry_run=dry_run)
     with store.engine.begin() as conn:
