@@ -85,3 +85,80 @@ def test_a_step_whose_loss_is_not_finite_steps_no_weight(engine, leased):
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
     assert not optimizer.state  # AdamW took no step
+
+
+def reference_ppo_updates(model, optimizer, batch, *, epochs: int, mini_batches: int,
+                          seed: int, clip: float = 0.2) -> None:
+    """PPO's epochs and mini-batches in plain torch, written apart from the trainer: GRPO
+    advantages, the clipped surrogate (token mean), gradients clipped at norm 1."""
+    advantages = torch.zeros_like(batch.rewards)
+    for group in batch.group_index.unique():
+        rows = batch.group_index == group
+        rewards = batch.rewards[rows]
+        advantages[rows] = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
+    old = torch.nan_to_num(batch.old_logprobs, nan=0.0)  # NaN only where mask is 0
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        cuts = [len(batch) * m // mini_batches for m in range(mini_batches + 1)]
+        for low, high in zip(cuts, cuts[1:]):
+            rows = order[low:high]
+            ids, mask = batch.input_ids[rows], batch.mask[rows]
+            logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows]).logits
+            logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(
+                -1, ids[:, 1:, None])[..., 0]
+            ratio = torch.exp(logprobs - old[rows])
+            advantage = advantages[rows][:, None]
+            per_token = torch.maximum(-ratio * advantage,
+                                      -ratio.clamp(1 - clip, 1 + clip) * advantage)
+            loss = (per_token * mask).sum() / mask.sum()
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+
+
+@pytest.mark.parametrize("micro_batch, optimizer, atol", [
+    (16, torch.optim.AdamW, 1e-6), (1, torch.optim.SGD, 1e-6)])
+def test_ppo_epochs_and_mini_batches_equal_a_plain_torch_loop(engine, leased, micro_batch,
+                                                               optimizer, atol):
+    """Issue 29: a step takes epochs x mini_batches updates over its one batch, each on a
+    shuffled share of it, ratios against the logprobs the batch started from. Accumulated
+    over one-row micro-batches the sums' order differs, and AdamW's normalisation lifts that
+    float noise where a gradient is ~0 (a key bias: 4e-4 after 16 updates), so that case is
+    checked with SGD."""
+    _, batch = leased
+    algorithm = PRESETS["grpo"].replace(epochs=4, mini_batches=4)
+    ours, theirs = copy.deepcopy(engine.model), copy.deepcopy(engine.model)
+    metrics = train_step(ours, optimizer(ours.parameters(), lr=1e-2), batch, algorithm,
+                         micro_batch=micro_batch, seed=7)
+    reference_ppo_updates(theirs, optimizer(theirs.parameters(), lr=1e-2), batch, epochs=4,
+                          mini_batches=4, seed=7)
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert metrics["updates"] == 16
+    assert metrics["policy/clip_fraction"] > 0 and metrics["last/policy/clip_fraction"] > 0
+    assert {"loss", "last/loss", "grad_norm", "last/grad_norm"} <= set(metrics)
+
+
+def test_old_logprobs_recompute_takes_ratios_against_the_policy_itself(engine, leased):
+    """With old_logprobs: recompute the first update's ratios are exactly 1 (the engine's
+    sampled logprobs differ from the trainer's by float noise, so theirs are not)."""
+    _, batch = leased
+    step = {}
+    for source in ("engine", "recompute"):
+        model = copy.deepcopy(engine.model)
+        step[source] = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch,
+                                  PRESETS["grpo"].replace(old_logprobs=source), micro_batch=16)
+    assert step["recompute"]["policy/ratio_mean"] == 1.0
+    assert step["engine"]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_more_mini_batches_than_rows_is_one_line(engine, leased):
+    from reservoir.errors import ConfigError
+
+    _, batch = leased
+    model = copy.deepcopy(engine.model)
+    with pytest.raises(ConfigError, match="mini_batches: 9 mini-batches of a 8-row batch"):
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                   PRESETS["grpo"].replace(epochs=2, mini_batches=9), micro_batch=4)

@@ -390,6 +390,21 @@ class AlgorithmConfig(Section):
     opmd_baseline: Literal["mean", "logavgexp"] | None = None
     beta: Number | None = number(None, gt=0, le=1e6)
     value_clip: Number | None = number(None, gt=0, le=1e6)
+    epochs: Count | None = count(None, 1, 1000, "passes over each step's batch (PPO epochs); "
+                                 "the step still consumes one batch and commits once")
+    mini_batches: Count | None = count(None, 1, 100_000, "optimizer updates per pass, each on "
+                                       "a shuffled share of the batch")
+    old_logprobs: Literal["engine", "recompute"] | None = Field(
+        default=None, description="what ratios are taken against: the engine's sampled "
+        "logprobs, or the policy's, recomputed before the step's first update")
+
+    @model_validator(mode="after")
+    def _updates_fit(self) -> AlgorithmConfig:
+        algorithm = self.resolve()
+        if algorithm.preference_loss is not None and algorithm.updates > 1:
+            raise ValueError("epochs, mini_batches: a preference algorithm (dpo) takes one "
+                             "update a step")
+        return self
 
     def resolve(self, **extra):
         """The `Algorithm` this names: the preset with every set key replaced."""

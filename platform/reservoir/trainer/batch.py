@@ -40,7 +40,8 @@ class TrainBatch:
         return (self.input_ids, self.attention_mask, self.mask, self.old_logprobs, self.rewards,
                 self.group_index)
 
-    def rows(self, index: slice) -> "TrainBatch":
+    def rows(self, index: slice | torch.Tensor) -> "TrainBatch":
+        """The rows of a slice or of a tensor of row indices."""
         return TrainBatch(*(tensor[index] for tensor in self._tensors()))
 
     def to(self, device: torch.device | str) -> "TrainBatch":

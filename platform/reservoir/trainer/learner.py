@@ -22,6 +22,7 @@ from reservoir.trainer.batch import TrainBatch
 from reservoir.trainer.checkpoint import load_checkpoint, save_checkpoint, Resumed
 from reservoir.trainer.critic import Critic, build_critic
 from reservoir.trainer.pairs import preference_step
+from reservoir.trainer.seed import step_seed
 from reservoir.trainer.stages import Stage, plan, stage_at
 from reservoir.trainer.step import ONE, Precision, Ranks, train_step
 
@@ -121,7 +122,7 @@ class Learner:
                           micro_batch=trainer.micro_batch,
                           temperature=self.config.explorer.temperature if sampled else 1.0,
                           reference=self.reference, critic=self.critic, precision=precision,
-                          ranks=ranks)
+                          ranks=ranks, seed=step_seed(self.config.run.seed, step))
 
 
 def _step_of(checkpoint: Path) -> int:

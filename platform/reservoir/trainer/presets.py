@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 
+STEP_OPTIONS = ("epochs", "mini_batches", "old_logprobs")
+
+
 @dataclass(frozen=True)
 class Algorithm:
     advantage: str = "grpo"
@@ -34,6 +37,14 @@ class Algorithm:
     beta: float = 0.1                    # DPO's beta
     value_clip: float | None = 0.2       # the critic's value clipping
     tis_cap: float | None = None         # truncated importance sampling of the engine's samples
+    epochs: int = 1                      # passes over a step's batch (PPO epochs)
+    mini_batches: int = 1                # optimizer updates per pass (PPO mini-batches)
+    old_logprobs: Literal["engine", "recompute"] = "engine"  # what ratios are taken against
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates in one step."""
+        return self.epochs * self.mini_batches
 
     @property
     def needs_reference(self) -> bool:
@@ -49,7 +60,10 @@ class Algorithm:
         return self.preference_loss is None
 
     def options(self) -> dict:
-        return dataclasses.asdict(self)
+        """The options a piece may take (the step's own, how many updates and against what,
+        are the step's)."""
+        return {name: value for name, value in dataclasses.asdict(self).items()
+                if name not in STEP_OPTIONS}
 
     def replace(self, **changes) -> "Algorithm":
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,5 @@
-"""One optimizer step of a policy-gradient algorithm on a leased batch.
+"""One step of a policy-gradient algorithm on a leased batch: one optimizer update, or PPO's
+epochs x mini-batches of them.
 
 An algorithm is a named preset of registered pieces (advantage, policy loss, KL estimator,
 aggregation); the step only wires them together, so a new algorithm touches no loop code.
@@ -17,14 +18,14 @@ from typing import Callable
 import torch
 
 from reservoir.devices import autocast
-from reservoir.errors import StepNotFinite
+from reservoir.errors import ConfigError, StepNotFinite
 from reservoir.trainer.algorithms import (ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, Episodes,
                                           aggregate, call, gae)
 from reservoir.trainer.batch import TrainBatch, token_logprobs
 from reservoir.trainer.presets import PRESETS, Algorithm
 
 __all__ = ["Algorithm", "PRESETS", "Precision", "Ranks", "ONE", "StepNotFinite", "train_step",
-           "optimizer_step", "sum_gradients", "sum_metrics"]
+           "update_rows", "optimizer_step", "sum_gradients", "sum_metrics"]
 
 
 @dataclass(frozen=True)
@@ -50,45 +51,90 @@ class Precision:
 
 @dataclass
 class _Prepared:
-    """What the step computes over the whole batch before its micro-batches."""
+    """What the step computes over the whole batch before its updates."""
 
     advantages: torch.Tensor
     metrics: dict[str, float]
     old_values: torch.Tensor | None = None     # the critic's, before the step
     returns: torch.Tensor | None = None        # the critic's targets
+    start: torch.Tensor | None = None          # the policy's logprobs before the first update
 
 
 def train_step(model, optimizer, batch: TrainBatch, algorithm: Algorithm, *,
                micro_batch: int, temperature: float = 1.0, reference=None, critic=None,
                max_grad_norm: float | None = 1.0, precision: Precision = Precision(),
-               ranks: Ranks = ONE) -> dict[str, float]:
-    """Compute advantages for the batch, accumulate gradients over micro-batches, step.
+               ranks: Ranks = ONE, seed: int = 0) -> dict[str, float]:
+    """Compute advantages for the batch, then take `algorithm.updates` optimizer updates:
+    `epochs` passes over the batch, each shuffled by `seed` and cut into `mini_batches`;
+    each update accumulates gradients over micro-batches and steps.
 
     `reference` is the frozen model KL is measured against (needed when kl_coef > 0);
     `critic` the value model the gae advantage reads (trainer/critic.py), stepped with its own
-    optimizer. Micro-batch losses are weighted by their share of the batch's tokens
-    (token-mean) or sequences (the per-sequence aggregations), so the gradient equals the full
-    batch's.
+    optimizer over the same mini-batches. Micro-batch losses are weighted by their share of
+    the mini-batch's tokens (token-mean) or sequences (the per-sequence aggregations), so the
+    gradient equals the whole mini-batch's. Ratios are taken against the logprobs the batch
+    started from: the engine's (`old_logprobs: engine`, the policy's own where the engine
+    gave none) or the policy's, recomputed before the first update (`recompute`).
     """
     _check_models(algorithm, reference, critic)
     prepared = _prepare(batch, algorithm, reference, critic, temperature, precision,
                         micro_batch)
-    total_tokens, total_rows = float(batch.mask.sum()), len(batch)
-    optimizer.zero_grad(set_to_none=True)
+    if algorithm.updates > 1 or algorithm.old_logprobs == "recompute":
+        prepared.start = _no_grad_logprobs(model, batch, temperature, precision, micro_batch)
+    stepped = [(model, optimizer, "grad_norm")]
     if critic is not None:
-        critic.optimizer.zero_grad(set_to_none=True)
+        stepped.append((critic.model, critic.optimizer, "critic/grad_norm"))
+    updates = [_update(stepped, batch, rows, prepared, algorithm, micro_batch=micro_batch,
+                       temperature=temperature, reference=reference, critic=critic,
+                       max_grad_norm=max_grad_norm, precision=precision, ranks=ranks)
+               for rows in update_rows(len(batch), algorithm, seed)]
+    return {**prepared.metrics, **_summary(updates), "reward_mean": float(batch.rewards.mean()),
+            "train_tokens": float(batch.mask.sum())}
+
+
+def update_rows(rows: int, algorithm: Algorithm, seed: int) -> list[torch.Tensor]:
+    """The rows of each update: one update over the batch in order, or each epoch a
+    permutation drawn from `seed` cut into `mini_batches` nearly equal parts."""
+    if algorithm.updates == 1:
+        return [torch.arange(rows)]
+    if algorithm.mini_batches > rows:
+        raise ConfigError(f"trainer.algorithm.mini_batches: {algorithm.mini_batches} mini-batches of a {rows}-row "
+                         "batch leave some without rows; lower it")
+    generator = torch.Generator().manual_seed(seed)
+    parts = []
+    for _ in range(algorithm.epochs):
+        order = torch.randperm(rows, generator=generator)
+        cuts = [rows * m // algorithm.mini_batches for m in range(algorithm.mini_batches + 1)]
+        parts += [order[low:high] for low, high in zip(cuts, cuts[1:])]
+    return parts
+
+
+def _update(stepped: list[tuple], batch: TrainBatch, index: torch.Tensor, prepared: _Prepared,
+            algorithm: Algorithm, *, micro_batch: int, temperature: float, reference, critic,
+            max_grad_norm: float | None, precision: Precision,
+            ranks: Ranks) -> dict[str, float]:
+    """One optimizer update on the rows `index` of the batch; its loss and metrics."""
+    model = stepped[0][0]
+    mini = batch if algorithm.updates == 1 else batch.rows(index.to(batch.input_ids.device))
+    total_tokens, total_rows = float(mini.mask.sum()), len(mini)
+    for _, optimizer, _ in stepped:
+        optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {"loss": 0.0}
     share = ranks.share(total_rows)
+    if share.stop == share.start:
+        raise ConfigError(f"an update of {total_rows} rows leaves trainer rank {ranks.rank} of "
+                          f"{ranks.world} without rows: fewer trainer.workers or "
+                          "trainer.algorithm.mini_batches, or larger batches")
     for start in range(share.start, share.stop, micro_batch):
         rows = slice(start, min(start + micro_batch, share.stop))
-        part = batch.rows(rows)
+        part, at = mini.rows(rows), index[rows].to(prepared.advantages.device)
         weight = (float(part.mask.sum()) / total_tokens if algorithm.aggregation == "token-mean"
                   else len(part) / total_rows)
-        loss, parts = _micro_batch_loss(model, part, rows, prepared, algorithm, temperature,
+        loss, parts = _micro_batch_loss(model, part, at, prepared, algorithm, temperature,
                                         reference, precision)
         if critic is not None:
-            critic_loss, critic_parts = critic.loss(part, prepared.old_values[rows],
-                                                    prepared.returns[rows],
+            critic_loss, critic_parts = critic.loss(part, prepared.old_values[at],
+                                                    prepared.returns[at],
                                                     algorithm.aggregation, precision.dtype)
             (critic_loss * weight).backward()
             parts |= critic_parts | {"critic/loss": float(critic_loss.detach())}
@@ -96,18 +142,23 @@ def train_step(model, optimizer, batch: TrainBatch, algorithm: Algorithm, *,
         sums["loss"] += float(loss.detach()) * weight
         for name, value in parts.items():  # weighted as the loss is: the batch's own mean
             sums[name] = sums.get(name, 0.0) + value * weight
-    metrics = prepared.metrics
     if ranks.world > 1:
-        sum_gradients(model, ranks)
-        if critic is not None:
-            sum_gradients(critic.model, ranks)
+        for stepped_model, _, _ in stepped:
+            sum_gradients(stepped_model, ranks)
         sums = sum_metrics(sums, ranks, model)
-    stepped = [(model, optimizer, "grad_norm")]
-    if critic is not None:
-        stepped.append((critic.model, critic.optimizer, "critic/grad_norm"))
-    metrics |= optimizer_step(stepped, sums["loss"], max_grad_norm)
-    return {**metrics, **sums, "reward_mean": float(batch.rewards.mean()),
-            "train_tokens": total_tokens}
+    return sums | optimizer_step(stepped, sums["loss"], max_grad_norm)
+
+
+def _summary(updates: list[dict[str, float]]) -> dict[str, float]:
+    """One update's metrics as they are; of several, their mean under the same names, the
+    last update's under `last/`, and how many there were."""
+    if len(updates) == 1:
+        return updates[0]
+    names = dict.fromkeys(name for update in updates for name in update)
+    mean = {name: sum(update.get(name, 0.0) for update in updates) / len(updates)
+            for name in names}
+    return mean | {f"last/{name}": value for name, value in updates[-1].items()} | {
+        "updates": float(len(updates))}
 
 
 def _check_models(algorithm: Algorithm, reference, critic) -> None:
@@ -172,23 +223,25 @@ def _no_grad_logprobs(model, batch: TrainBatch, temperature: float, precision: P
                           for start in range(0, len(batch), micro_batch)])
 
 
-def _micro_batch_loss(model, part: TrainBatch, rows: slice, prepared: _Prepared,
-                      algorithm: Algorithm, temperature: float, reference,
+def _micro_batch_loss(model, part: TrainBatch, rows: torch.Tensor | slice,
+                      prepared: _Prepared, algorithm: Algorithm, temperature: float, reference,
                       precision: Precision) -> tuple[torch.Tensor, dict[str, float]]:
-    """The micro-batch's loss and its metrics (policy, importance weights, KL, entropy)."""
+    """The micro-batch's loss and its metrics (policy, importance weights, KL, entropy);
+    `rows` are its rows in the whole batch."""
     device = part.input_ids.device
     with autocast(device, precision.dtype):
         out = token_logprobs(model, part, temperature, chunk=precision.chunk,
                              entropy=algorithm.entropy_coef > 0)
     logprobs, entropy = out if algorithm.entropy_coef > 0 else (out, None)
     advantages = prepared.advantages[rows]
-    engine = torch.where(part.old_logprobs.isnan(), logprobs.detach(), part.old_logprobs)
-    old, parts = engine, {}
+    own = logprobs.detach() if prepared.start is None else prepared.start[rows]
+    engine = torch.where(part.old_logprobs.isnan(), own, part.old_logprobs)
+    old, parts = (own if algorithm.old_logprobs == "recompute" else engine), {}
     if algorithm.tis_cap is not None:  # ratio against the trainer's own old policy, and each
-        weight = torch.exp(logprobs.detach() - engine).clamp(max=algorithm.tis_cap)  # token
+        weight = torch.exp(own - engine).clamp(max=algorithm.tis_cap)  # token weighted
         per_token = advantages[:, None] if advantages.dim() == 1 else advantages
-        advantages = per_token * weight  # weighted by min(p_train / p_engine, C)
-        old = logprobs.detach()
+        advantages = per_token * weight  # by min(p_train / p_engine, C)
+        old = own
         parts = {"tis/weight_mean": float(aggregate(weight, part.mask)),
                  "tis/truncated": float(aggregate((weight >= algorithm.tis_cap).float(),
                                                   part.mask))}
