@@ -424,11 +424,35 @@ class CriticConfig(Section):
     lr: Number = number(1e-3, gt=0, le=1)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)]
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) on the policy: only the adapters train and sit in the optimizer;
+    the base stays frozen and, adapters off, is the reference KL and DPO measure against."""
+
+    rank: Count = count(8, 1, 4096, "the adapters' rank r")
+    alpha: Number | None = number(None, gt=0, le=1e6, description="scale alpha (the update "
+                                  "is alpha / r x B A); unset: 2 x rank")
+    dropout: Number = number(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: tuple[ModuleName, ...] = Field(
+        default=LORA_TARGETS, min_length=1, max_length=1000, description="names of the linear "
+        "layers that get adapters (default: attention and MLP projections)")
+
+    @property
+    def scale_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
 class TrainerConfig(Section):
     algorithm: AlgorithmChoice = Field(
         default=AlgorithmConfig(), description="a preset name (ppo, grpo, grpo-kl, dr-grpo, "
         "rloo, reinforce++, gspo, cispo, opmd, sft, dpo) or {preset: NAME, option: value, ...}")
     critic: CriticConfig = CriticConfig()
+    lora: LoraConfig | None = Field(default=None, description="train LoRA adapters instead of "
+                                    "every weight: {rank: 8} or {rank, alpha, dropout, "
+                                    "target_modules}; unset: full fine-tuning")
     lr: Number = number(1e-3, gt=0, le=1)
     batch_groups: Count = count(8, 1, 100_000)
     micro_batch: Count = count(16, 1, 1_000_000)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model as load_safetensors, save_model
+from safetensors.torch import load_model as load_safetensors, save_file, save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config,
                           Qwen2ForCausalLM, PreTrainedTokenizerFast)
@@ -100,6 +100,17 @@ def save_weights(model, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     save_model(model, str(partial))
+    partial.rename(path)
+    return path
+
+
+def save_state(state: dict[str, torch.Tensor], path: Path) -> Path:
+    """Write named tensors (a model's weights computed apart from it) as one safetensors
+    file, atomically as `save_weights` does."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file(state, str(partial))
     partial.rename(path)
     return path
 

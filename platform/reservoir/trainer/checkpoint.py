@@ -1,6 +1,7 @@
 """Checkpoints: model weights, optimizer state, RNG states and the step, so a run resumes exactly.
 
-Layout of `DIR/step-000042/`: the model as `save_pretrained` writes it (safetensors),
+Layout of `DIR/step-000042/`: the model as `save_pretrained` writes it (safetensors; for a
+LoRA run, peft's adapter files only),
 `trainer.pt` (optimizer state and torch's CPU and CUDA RNG states: tensors and numbers only,
 loaded with `weights_only=True`), `state.json` (step, policy version, Python and numpy RNG states).
 """
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from peft import PeftModel
 
 from reservoir.devices import rng_state, set_rng_state
 from reservoir.errors import ConfigError
+from reservoir.trainer.adapters import has_adapters, load_adapters
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,7 @@ def load_checkpoint(path: Path, model, optimizer) -> Resumed:
     if not (path / "state.json").is_file():
         raise ConfigError(f"{path} is not a complete checkpoint (no state.json)")
     state = json.loads((path / "state.json").read_text())
-    weights = type(model).from_pretrained(path, local_files_only=True).state_dict()
-    model.load_state_dict(weights)
+    load_weights_of(path, model)
     trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
     optimizer.load_state_dict(trainer["optimizer"])
     set_rng_state(trainer)
@@ -63,6 +65,23 @@ def load_checkpoint(path: Path, model, optimizer) -> Resumed:
     kind, keys, *rest = state["numpy_rng"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
     return Resumed(step=state["step"], version=state["version"])
+
+
+def load_weights_of(path: Path, model) -> None:
+    """A checkpoint's weights into `model` in place: whole weights, or a LoRA run's adapters
+    into a model with adapters of the same shape."""
+    lora = isinstance(model, PeftModel)
+    if has_adapters(path) != lora:
+        held = "LoRA adapters" if has_adapters(path) else "whole weights"
+        raise ConfigError(f"trainer.lora: {path} holds {held}; this run trains "
+                          f"{'adapters' if lora else 'every weight'} (a LoRA run continues "
+                          "a LoRA run; `reservoir model export` makes any checkpoint a model "
+                          "folder for model.path)")
+    if lora:
+        load_adapters(model, path)
+    else:
+        model.load_state_dict(type(model).from_pretrained(path, local_files_only=True)
+                              .state_dict())
 
 
 def _jsonable(value):

@@ -17,9 +17,10 @@ import torch
 
 from reservoir.config import ReservoirConfig
 from reservoir.devices import resolve_device
-from reservoir.models import load_model
+from reservoir.models import load_model, save_state, save_weights
+from reservoir.trainer.adapters import AdaptersOff, merged_weights, with_adapters
 from reservoir.trainer.batch import TrainBatch
-from reservoir.trainer.checkpoint import load_checkpoint, save_checkpoint, Resumed
+from reservoir.trainer.checkpoint import Resumed, load_checkpoint, load_weights_of, save_checkpoint
 from reservoir.trainer.critic import Critic, build_critic
 from reservoir.trainer.pairs import preference_step
 from reservoir.trainer.seed import step_seed
@@ -31,10 +32,14 @@ class Learner:
     def __init__(self, config: ReservoirConfig, rank: int = 0) -> None:
         self.config = config
         self.device = resolve_device(config.trainer.device, key="trainer.device", rank=rank)
-        self.model, self.tokenizer = load_model(config.model.path)
-        self.model.to(self.device)
+        model, self.tokenizer = load_model(config.model.path)
+        model.to(self.device)
+        lora = config.trainer.lora
         if config.trainer.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable()
+            if lora is not None:  # the frozen embedding's output must carry gradients through
+                model.enable_input_require_grads()
+        self.model = model if lora is None else with_adapters(model, lora, seed=config.run.seed)
         self.model.train()  # no dropout in the models we build; checkpointing needs it
         self.plan = plan(config)
         self.stage: Stage | None = None
@@ -42,8 +47,14 @@ class Learner:
         self.reference = None
         self.critic: Critic | None = None
 
+    @property
+    def adapters(self) -> bool:
+        """Whether the policy trains LoRA adapters (trainer.lora) rather than every weight."""
+        return self.config.trainer.lora is not None
+
     def _optimizer(self, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=lr)
+        """AdamW over what trains: every weight, or the adapters only."""
+        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
 
     # -- stages and checkpoints -------------------------------------------------------------
 
@@ -52,13 +63,19 @@ class Learner:
         self.stage = stage
         self.optimizer = self._optimizer(stage.lr)
         self.critic = self._new_critic(stage)
-        self.reference = self._frozen(self.model) if stage.algorithm.needs_reference else None
+        self.reference = self._reference() if stage.algorithm.needs_reference else None
 
     def start_from(self, checkpoint: Path) -> None:
-        """Take another run's weights at a checkpoint (a branch); its optimizer is not
-        taken: every stage begins with a fresh one."""
-        weights = type(self.model).from_pretrained(checkpoint, local_files_only=True)
-        self.model.load_state_dict(weights.state_dict())
+        """Take another run's weights (or adapters) at a checkpoint (a branch); its optimizer
+        is not taken: every stage begins with a fresh one."""
+        load_weights_of(checkpoint, self.model)
+
+    def publish(self, path: Path) -> Path:
+        """The policy's weights as one safetensors file engines load in place: a LoRA
+        policy's merged with its adapters."""
+        if self.adapters:
+            return save_state(merged_weights(self.model), path)
+        return save_weights(self.model, path)
 
     def save(self, root: Path, step: int, version: int) -> Path:
         folder = save_checkpoint(root, step, version, self.model, self.optimizer)
@@ -81,9 +98,19 @@ class Learner:
         self.reference = None
         if stage is not None and stage.algorithm.needs_reference:
             start = checkpoint.with_name(f"step-{stage.first_step - 1:06d}")
-            self.reference = self._frozen(type(self.model).from_pretrained(
-                start, local_files_only=True).to(self.device))
+            self.reference = self._reference(start)
         return resumed
+
+    def _reference(self, start: Path | None = None):
+        """The frozen model of a stage that measures KL or preferences: a LoRA policy's base
+        (the adapters off), else a copy of the weights the stage started from (now, or the
+        checkpoint `start`)."""
+        if self.adapters:
+            return AdaptersOff(self.model)
+        if start is None:
+            return self._frozen(self.model)
+        return self._frozen(type(self.model).from_pretrained(
+            start, local_files_only=True).to(self.device))
 
     def _new_critic(self, stage: Stage | None) -> Critic | None:
         if stage is None or not stage.algorithm.needs_critic:

@@ -12,6 +12,7 @@ import torch
 
 from reservoir.devices import autocast
 from reservoir.trainer.algorithms import PREFERENCE_LOSSES, call
+from reservoir.trainer.adapters import running
 from reservoir.trainer.batch import TrainBatch, token_logprobs
 from reservoir.trainer.presets import Algorithm
 from reservoir.trainer.step import (ONE, Precision, Ranks, optimizer_step, sum_gradients,
@@ -30,8 +31,8 @@ def log_ratios(model, reference, part: TrainBatch, precision: Precision) -> torc
     device = part.input_ids.device
     with autocast(device, precision.dtype):
         logprobs = token_logprobs(model, part, chunk=precision.chunk)
-    with torch.no_grad(), autocast(device, precision.dtype):
-        ref = token_logprobs(reference, part, chunk=precision.chunk)
+    with torch.no_grad(), autocast(device, precision.dtype), running(reference) as frozen:
+        ref = token_logprobs(frozen, part, chunk=precision.chunk)
     return ((logprobs - ref) * part.mask).sum(-1)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from reservoir.devices import autocast
 from reservoir.errors import ConfigError, StepNotFinite
+from reservoir.trainer.adapters import running
 from reservoir.trainer.algorithms import (ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, Episodes,
                                           aggregate, call, gae)
 from reservoir.trainer.batch import TrainBatch, token_logprobs
@@ -199,7 +200,8 @@ def _prepare(batch: TrainBatch, algorithm: Algorithm, reference, critic, tempera
     token_rewards = ref_logprobs = values = returns = None
     metrics: dict[str, float] = {}
     if algorithm.kl_coef > 0 and algorithm.kl_in == "reward":
-        ref_logprobs = _no_grad_logprobs(reference, batch, temperature, precision, micro_batch)
+        with running(reference) as frozen:
+            ref_logprobs = _no_grad_logprobs(frozen, batch, temperature, precision, micro_batch)
         sampled = torch.where(batch.old_logprobs.isnan(), ref_logprobs, batch.old_logprobs)
         kl = KL_ESTIMATORS.get(algorithm.kl_estimator)(sampled, ref_logprobs)
         token_rewards = -algorithm.kl_coef * kl * batch.mask
@@ -249,8 +251,8 @@ def _micro_batch_loss(model, part: TrainBatch, rows: torch.Tensor | slice,
                         part.mask, **algorithm.options())
     parts |= policy
     if algorithm.kl_coef > 0 and algorithm.kl_in == "loss":
-        with torch.no_grad(), autocast(device, precision.dtype):
-            ref_logprobs = token_logprobs(reference, part, temperature, chunk=precision.chunk)
+        with torch.no_grad(), autocast(device, precision.dtype), running(reference) as frozen:
+            ref_logprobs = token_logprobs(frozen, part, temperature, chunk=precision.chunk)
         kl = aggregate(KL_ESTIMATORS.get(algorithm.kl_estimator)(logprobs, ref_logprobs),
                        part.mask, algorithm.aggregation)
         loss = loss + algorithm.kl_coef * kl

@@ -31,7 +31,6 @@ from rich.console import Console
 
 from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError, ReservoirError, StepNotFinite
-from reservoir.models import save_weights
 from reservoir.prepare import branch_checkpoint, check_model, check_resumable
 from reservoir.store import Store
 from reservoir.store.ledger import add_step_metrics, last_step, record_step
@@ -307,7 +306,7 @@ class TrainerWorker:
         version = 0 if self.version is None else self.summary.version + 1
         untouched = version == 0 and step == 0 and self.config.branch is None
         location = (str(self.config.model.path) if untouched
-                    else str(save_weights(self.learner.model, self._weights_path(version))))
+                    else str(self.learner.publish(self._weights_path(version))))
         self.patience(lambda: self.store.publish_version(self.config.run.name, version,
                                                          location=location, train_step=step),
                       f"publishing version {version}")

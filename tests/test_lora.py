@@ -1,0 +1,173 @@
+"""LoRA adapters (trainer.lora), PPO epochs in the config: what trains, the reference, what a
+checkpoint and a published version hold, branches and resumes of adapter runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from reservoir.config import load_config, parse_config
+from reservoir.errors import ConfigError
+from reservoir.models import build_tiny_model, load_model, load_weights
+from reservoir.prepare import ensure_run
+from reservoir.trainer.batch import make_batch, token_logprobs
+from reservoir.trainer.learner import Learner
+from tests.test_recovery import offline_groups
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("lora") / "tiny", seed=5)
+
+
+RANK_8 = {"rank": 8}
+
+
+def lora_config(tmp_path: Path, db_url: str, model: Path, *, lora=RANK_8, algorithm="grpo-kl",
+                **trainer):
+    """A run's config; `lora=None`: full fine-tuning."""
+    if lora is not None:
+        trainer["lora"] = lora
+    return parse_config({
+        "run": {"name": "lora", "mode": "async", "seed": 3}, "model": {"path": str(model)},
+        "tasks": {"generate": "reverse", "count": 20}, "explorer": {"n": 4},
+        "trainer": {"batch_groups": 2, "micro_batch": 4, "lr": 1e-2, "device": "cpu",
+                    "algorithm": algorithm, "checkpoint_dir": str(tmp_path / "ck"), **trainer},
+        "sampler": {"max_staleness": 100}, "store": {"url": db_url}})
+
+
+def test_the_issues_config_validates(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  lora: {rank: 8}\n  workers: 2\n"
+                    "  algorithm: {preset: ppo, epochs: 2, mini_batches: 4}\n")
+    trainer = load_config(path).trainer
+    assert (trainer.lora.rank, trainer.lora.scale_alpha) == (8, 16.0)
+    assert "down_proj" in trainer.lora.target_modules
+    algorithm = trainer.algorithm.resolve()
+    assert (algorithm.epochs, algorithm.mini_batches, algorithm.updates) == (2, 4, 8)
+
+
+@pytest.mark.parametrize("body, key", [
+    ("lora: {rank: 0}", "trainer.lora.rank"),
+    ("lora: {rank: '8'}", "trainer.lora.rank"),
+    ("lora: {rank: 8.5}", "trainer.lora.rank"),
+    ("lora: {alpha: -1}", "trainer.lora.alpha"),
+    ("lora: {alpha: .nan}", "trainer.lora.alpha"),
+    ("lora: {dropout: 1}", "trainer.lora.dropout"),
+    ("lora: {target_modules: []}", "trainer.lora.target_modules"),
+    ("lora: {target_modules: ['q_proj; DROP']}", "trainer.lora.target_modules.0"),
+    ("lora: {ranks: 8}", "trainer.lora.ranks"),
+    ("lora: 8", "trainer.lora"),
+    ("algorithm: {preset: ppo, epochs: 0}", "trainer.algorithm.epochs"),
+    ("algorithm: {preset: ppo, epochs: 1001}", "trainer.algorithm.epochs"),
+    ("algorithm: {preset: ppo, mini_batches: 0}", "trainer.algorithm.mini_batches"),
+    ("algorithm: {preset: ppo, mini_batches: true}", "trainer.algorithm.mini_batches"),
+    ("algorithm: {preset: ppo, old_logprobs: engine2}", "trainer.algorithm.old_logprobs"),
+    ("algorithm: {preset: dpo, epochs: 2}", "trainer.algorithm"),
+])
+def test_each_bad_value_is_one_line_naming_its_key(tmp_path, body, key):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"trainer:\n  {body}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert re.search(rf"[:;] {re.escape(key)}( \(line \d+\))?: ", message), message
+
+
+def test_unknown_target_modules_are_one_line(tmp_path, db_url, tiny):
+    config = lora_config(tmp_path, db_url, tiny, lora={"target_modules": ["nope_proj"]})
+    with pytest.raises(ConfigError, match=r"^trainer.lora.target_modules: .*nope_proj"):
+        Learner(config)
+
+
+def begun(config) -> Learner:
+    learner = Learner(config)
+    learner.begin(learner.plan[0])
+    return learner
+
+
+@pytest.fixture
+def rows(store, tmp_path, db_url, tiny):
+    ensure_run(store, lora_config(tmp_path, db_url, tiny))
+    store.write_groups(offline_groups("lora", 2))
+    return sorted(store.lease("lora", groups=2).rows, key=lambda row: row.id)
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base(tmp_path, db_url, tiny, rows):
+    learner = begun(lora_config(tmp_path, db_url, tiny))
+    trained = {name for name, p in learner.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in name or ".lora_B." in name for name in trained)
+    optimized = [p for group in learner.optimizer.param_groups for p in group["params"]]
+    assert len(optimized) == len(trained)
+    base, _ = load_model(tiny)
+    frozen = {name: p.detach().clone() for name, p in learner.model.named_parameters()
+              if not p.requires_grad}
+    batch = make_batch(rows, learner.tokenizer.pad_token_id)
+    for step in (1, 2, 3):
+        metrics = learner.train(step, batch)
+    assert metrics["kl"] > 0  # the adapters moved the policy away from its base
+    for name, p in learner.model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+    from reservoir.trainer.adapters import running
+    with torch.no_grad(), running(learner.reference) as reference:
+        torch.testing.assert_close(token_logprobs(reference, batch), token_logprobs(base, batch),
+                                   atol=1e-6, rtol=0)
+    assert not any(isinstance(m, torch.nn.Module) and m is not learner.model
+                   for m in vars(learner.reference).values())  # no second copy
+
+
+def test_a_published_version_is_the_merged_policy(tmp_path, db_url, tiny, rows):
+    learner = begun(lora_config(tmp_path, db_url, tiny))
+    batch = make_batch(rows, learner.tokenizer.pad_token_id)
+    learner.train(1, batch)
+    path = learner.publish(tmp_path / "v1.safetensors")
+    engine_model, _ = load_model(tiny)
+    load_weights(engine_model, path)
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(engine_model, batch),
+                                   token_logprobs(learner.model, batch), atol=1e-5, rtol=0)
+    assert any(p.requires_grad for p in learner.model.parameters())  # the model is as it was
+
+
+def test_a_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path, db_url, tiny, rows):
+    config = lora_config(tmp_path, db_url, tiny)
+    learner = begun(config)
+    pad = learner.tokenizer.pad_token_id
+    batch = make_batch(rows, pad)
+    learner.train(1, batch)
+    folder = learner.save(tmp_path / "ck", 1, 0)
+    adapters = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+    files = {f.name: f.stat().st_size for f in folder.iterdir()}
+    assert "model.safetensors" not in files
+    # the adapters and AdamW's two moments of them, float32, and a few KB of RNG state and
+    # configs (the size against a whole checkpoint is the example's, on a wider model)
+    assert 3 * 4 * adapters < sum(files.values()) < 3 * 4 * adapters + 64_000, files
+    after = learner.train(2, batch)
+
+    resumed = Learner(config)
+    resumed.load(folder)
+    again = resumed.train(2, batch)
+    assert again["loss"] == after["loss"]
+    for (name, a), (_, b) in zip(learner.model.named_parameters(),
+                                 resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_full_run_does_not_load_adapters_nor_a_lora_run_whole_weights(tmp_path, db_url,
+                                                                         tiny, rows):
+    lora = begun(lora_config(tmp_path, db_url, tiny))
+    adapters = lora.save(tmp_path / "a", 1, 0)
+    full = begun(lora_config(tmp_path, db_url, tiny, lora=None))
+    whole = full.save(tmp_path / "w", 1, 0)
+    with pytest.raises(ConfigError, match="holds LoRA adapters; this run trains every weight"):
+        full.start_from(adapters)
+    with pytest.raises(ConfigError, match="holds whole weights; this run trains adapters"):
+        lora.start_from(whole)
+    other = Learner(lora_config(tmp_path, db_url, tiny, lora={"rank": 4}))
+    with pytest.raises(ConfigError, match=r"rank 8\) are not of trainer.lora's shape .*rank 4"):
+        other.start_from(adapters)
