@@ -171,3 +171,59 @@ def test_a_full_run_does_not_load_adapters_nor_a_lora_run_whole_weights(tmp_path
     other = Learner(lora_config(tmp_path, db_url, tiny, lora={"rank": 4}))
     with pytest.raises(ConfigError, match=r"rank 8\) are not of trainer.lora's shape .*rank 4"):
         other.start_from(adapters)
+
+
+def test_a_lora_run_killed_mid_run_resumes_to_the_same_adapters(tmp_path, new_database,
+                                                                template_db):
+    """An sft warm-up and a grpo-kl stage, both on adapters, through `reservoir train`: killed
+    in its second stage, the resumed run ends with the adapters of a run never killed, and
+    published every version as merged weights an engine loads."""
+    import signal
+
+    import yaml
+    from safetensors.torch import load_file
+
+    from reservoir.store import Store
+    from tests.test_recovery import finish, query, start, wait_for, warm_up_config, write_config
+    from tests.test_run import ledger
+
+    model = build_tiny_model(tmp_path / "tiny", seed=4)
+    paths = {}
+    for side in ("straight", "killed"):
+        db_url = new_database(template_db)
+        config = yaml.safe_load(warm_up_config(tmp_path, db_url, model, 6).read_text())
+        config["trainer"] |= {"checkpoint_dir": str(tmp_path / side), "checkpoint_interval": 4,
+                              "lora": {"rank": 8}, "algorithm": "grpo-kl"}
+        paths[side] = (db_url, write_config(tmp_path / f"{side}.yaml", config))
+        with Store(db_url) as store:
+            ensure_run(store, parse_config(config))
+            store.write_groups(offline_groups("offline", 8 * 2))
+    finish(start("train", str(paths["straight"][1]), cwd=tmp_path))
+    db_url, config_path = paths["killed"]
+    victim = start("train", str(config_path), cwd=tmp_path)
+    wait_for(lambda: query(db_url, "SELECT 1 FROM train_steps WHERE step >= 9"))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    finish(start("train", str(config_path), "--resume", cwd=tmp_path))
+    found = ledger(db_url)
+    assert found["steps"] == list(range(6 + 8 + 1)) and found["status"] == "finished"
+    adapters = [load_file(tmp_path / side / "offline" / "step-000014" / "adapter_model.safetensors")
+                for side in ("straight", "killed")]
+    assert adapters[0].keys() == adapters[1].keys()
+    for name, tensor in adapters[0].items():
+        torch.testing.assert_close(adapters[1][name], tensor, atol=1e-5, rtol=0, msg=name)
+    published = sorted((tmp_path / "killed" / "offline" / "policy").glob("v*.safetensors"))
+    engine_model, _ = load_model(model)
+    load_weights(engine_model, published[-1])  # whole merged weights, as for a full run
+
+
+def test_ppo_with_its_critic_epochs_and_mini_batches_trains_adapters(tmp_path, db_url, tiny,
+                                                                     rows):
+    config = lora_config(tmp_path, db_url, tiny,
+                         algorithm={"preset": "ppo", "epochs": 2, "mini_batches": 4})
+    learner = begun(config)
+    metrics = learner.train(1, make_batch(rows, learner.tokenizer.pad_token_id))
+    assert metrics["updates"] == 8 and "critic/loss" in metrics and "last/critic/loss" in metrics
+    folder = learner.save(tmp_path / "ck", 1, 0)
+    assert (folder / "critic.safetensors").is_file() and (folder / "adapter_model.safetensors"
+                                                          ).is_file()
