@@ -137,6 +137,33 @@ def model_tiny(out_dir: Path = typer.Argument(..., help="Folder to write the mod
     console.print(f"tiny Qwen2 ({layers} layers, seed {seed}) saved to {path}")
 
 
+@model_app.command("export")
+def model_export(
+        source: str = typer.Argument(..., help="RUN or RUN@STEP (unset step: its last "
+                                     "checkpoint)."),
+        out_dir: Path = typer.Argument(..., help="New folder to write the model into."),
+        adapter: bool = typer.Option(False, "--adapter", help="A LoRA run's adapters as a "
+                                     "peft adapter folder instead of merged weights."),
+        config: Optional[Path] = ConfigOption) -> None:
+    """Write a run's checkpoint as a Hugging Face folder (safetensors, config, tokenizer,
+    generation config) that transformers and vLLM load."""
+    from reservoir.config import checked_checkpoint, parse_config
+    from reservoir.export import export
+    from reservoir.prepare import find_checkpoint
+    from reservoir.store.runs import config_of
+
+    run, step = checked_checkpoint(source, "RUN@STEP")
+    with _open(config) as store, store.engine.connect() as conn:
+        stored = config_of(conn, run)
+    stored = parse_config({key: value for key, value in stored.items() if key != "store"},
+                          source=f"run {run!r}'s stored config")
+    checkpoint = find_checkpoint(Path(stored.trainer.checkpoint_dir) / run, step, source)
+    path = export(stored, checkpoint, out_dir, adapter=adapter)
+    kind = "adapters" if adapter else "model"
+    console.print(f"{checkpoint.name} of run {run!r} exported as a Hugging Face {kind} folder: "
+                  f"{path}")
+
+
 def _end_run(summary) -> None:
     """The run's summary line; exit code 130 when it was stopped by Ctrl-C."""
     curve = ", ".join(f"{step if isinstance(step, str) else f'step {step}'}: {accuracy:.2f}"

@@ -41,6 +41,14 @@ def checked_run_name(value: str, key: str) -> str:
         raise ConfigError(f"{key} {value!r}: {exc}") from None
 
 
+def checked_checkpoint(value: str, key: str) -> tuple[str, int | None]:
+    """RUN or RUN@STEP given outside a config: (run, step or None), ConfigError naming `key`."""
+    name, at, step = value.rpartition("@") if "@" in value else (value, "", "")
+    if at and not (step.isdigit() and len(step) <= 9):
+        raise ConfigError(f"{key} {value!r}: RUN or RUN@STEP, e.g. reverse-1@200")
+    return checked_run_name(name, key), int(step) if at else None
+
+
 def _not_bool(value):
     if isinstance(value, bool):
         raise ValueError("a number, not true or false")

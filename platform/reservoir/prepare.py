@@ -113,14 +113,22 @@ def _branch(conn, config: ReservoirConfig, run_id: int) -> None:
 def branch_checkpoint(config: ReservoirConfig) -> Path:
     """The checkpoint a branched run starts from: trainer.checkpoint_dir/RUN/step-STEP."""
     name, step = config.branch
-    runs = Path(config.trainer.checkpoint_dir) / name
-    folder = runs / f"step-{step:06d}"
-    if not (folder / "state.json").is_file():
-        kept = sorted(int(p.name.removeprefix("step-")) for p in runs.glob("step-*")
-                      if (p / "state.json").is_file())
-        raise ConfigError(f"--from {name}@{step}: no checkpoint of step {step} in {runs} "
-                          f"(checkpoints there: {', '.join(map(str, kept)) or 'none'})")
-    return folder
+    return find_checkpoint(Path(config.trainer.checkpoint_dir) / name, step,
+                           f"--from {name}@{step}")
+
+
+def find_checkpoint(runs: Path, step: int | None, label: str) -> Path:
+    """A run's checkpoint of `step` (None: its last) in its checkpoint folder `runs`; one line
+    listing the steps there when there is none."""
+    kept = sorted(int(p.name.removeprefix("step-")) for p in runs.glob("step-*")
+                  if p.name.removeprefix("step-").isdigit() and (p / "state.json").is_file())
+    if step is None and kept:
+        step = kept[-1]
+    if step not in kept:
+        wanted = "no checkpoint" if step is None else f"no checkpoint of step {step}"
+        raise ConfigError(f"{label}: {wanted} in {runs} (checkpoints there: "
+                          f"{', '.join(map(str, kept)) or 'none'})")
+    return runs / f"step-{step:06d}"
 
 
 def check_resumable(store: Store, config: ReservoirConfig) -> None:

@@ -79,6 +79,15 @@ def run_id_of(conn: Connection, name: str) -> int:
     return run_id
 
 
+def config_of(conn: Connection, name: str) -> dict[str, Any]:
+    """The config a run was created with (as stored: without secrets)."""
+    config = conn.execute(select(runs.c.config).where(runs.c.name == name)).scalar()
+    if config is None:
+        run_id_of(conn, name)  # one line when the run does not exist
+        raise StoreError(f"run {name!r} stored no config")
+    return config
+
+
 def lookup(names: list[str]):
     """Statement: id, name, group_size of the named runs."""
     return select(runs.c.id, runs.c.name, runs.c.group_size).where(runs.c.name.in_(names))
