@@ -487,6 +487,10 @@ class TrainerConfig(Section):
                                          "the backward pass: less memory, ~30% more compute")
     workers: Count = count(1, 1, 1024, "data-parallel trainer ranks (torch.distributed: gloo "
                            "on CPU, NCCL on GPU); each step's groups are split between them")
+    sharding: Literal["none", "fsdp2"] = Field(
+        default="none", description="none: every rank holds the whole model and optimizer; "
+        "fsdp2: torch's fully_shard on each decoder layer, every rank holds 1/workers of the "
+        "weights, gradients and optimizer state (checkpoints sharded, any world size loads them)")
     logprob_chunk: Count = count(1024, 1, 1_000_000, "positions per chunk when computing token "
                                  "logprobs (the vocabulary-wide softmax is never materialised)")
     tis_cap: Number | None = number(

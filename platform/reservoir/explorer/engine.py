@@ -174,7 +174,8 @@ class TransformersEngine(Sampling):
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention, do_sample=not greedy, **sampling,
             max_new_tokens=max_tokens, return_dict_in_generate=True, output_logits=True,
-            pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id)
+            pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
+            synced_gpus=False)  # alone, even where a sharded trainer's ranks are joined
         generated = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, generated[..., None])[..., 0]

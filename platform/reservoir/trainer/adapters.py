@@ -5,8 +5,8 @@ With `trainer.lora`, the policy is the base model wrapped by peft: only the adap
 reference KL and DPO measure against is the base itself, the adapters disabled while it runs
 (`AdaptersOff`), so no second copy of the model is held. A checkpoint holds the adapters and
 their optimizer state (peft's `adapter_model.safetensors`, `adapter_config.json`); a published
-policy version is the merged weights (base + alpha / r x B A, computed without touching the
-model), so every engine takes it in place as it takes a fully trained policy's.
+policy version is the merged weights (base + alpha / r x B A, computed from the weights
+without touching the model), so every engine takes it in place as it takes a fully trained policy's.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from peft import LoraConfig as PeftLoraConfig, PeftModel, get_peft_model
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 
 from reservoir.config import LoraConfig
 from reservoir.errors import ConfigError
+from reservoir.trainer.sharding import is_sharded, load_full
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER = "default"  # peft's name of the one adapter
@@ -55,7 +55,11 @@ def load_adapters(model: PeftModel, folder: Path) -> None:
     if shapes != found:
         raise ConfigError(f"{folder}: its adapters ({_describe(found)}) are not of "
                           f"trainer.lora's shape ({_describe(shapes)})")
-    set_peft_model_state_dict(model, state)
+    if is_sharded(model):  # peft's names in the file, the model's own (adapter named)
+        load_full(model, {name.replace(".weight", f".{ADAPTER}.weight"): tensor
+                          for name, tensor in state.items()})
+    else:
+        set_peft_model_state_dict(model, state)
 
 
 def _describe(shapes: dict[str, tuple]) -> str:
@@ -64,28 +68,22 @@ def _describe(shapes: dict[str, tuple]) -> str:
 
 
 @torch.no_grad()
-def merged_weights(model: PeftModel) -> dict[str, torch.Tensor]:
-    """The weights of base + adapters under the base model's own names (what `save_weights`
-    writes for a model without adapters, tied weights once), the model left as it was."""
-    base = model.get_base_model()
-    merged = {f"{name}.weight": layer.base_layer.weight + layer.get_delta_weight(ADAPTER)
-              for name, layer in base.named_modules() if isinstance(layer, LoraLayer)}
-    state = {}
-    for name, tensor in base.state_dict(keep_vars=False).items():
+def merged_state(state: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """A LoRA policy's weights (peft's names: `base_model.model.` + `...base_layer.weight`,
+    `...lora_A.default.weight`, `...lora_B.default.weight`) merged into the base model's
+    names: W + alpha / r x B A for each adapted layer, every other tensor as it is."""
+    scale, merged = lora.scale_alpha / lora.rank, {}
+    for name, tensor in state.items():
         if ".lora_" in name:
             continue
-        name = name.replace(".base_layer.", ".")
-        state[name] = merged.get(name, tensor)
-    return _tied_once(state)
-
-
-def _tied_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors that share storage (tied embeddings) kept once, under the first of their names
-    in sorted order, as safetensors' `save_model` keeps them."""
-    kept: dict[tuple, str] = {}
-    for name in sorted(state):
-        kept.setdefault((state[name].data_ptr(), tuple(state[name].shape)), name)
-    return {name: state[name].detach().contiguous() for name in kept.values()}
+        base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if name.endswith(".base_layer.weight"):
+            layer = name.removesuffix(".base_layer.weight")
+            down = state[f"{layer}.lora_A.{ADAPTER}.weight"]
+            up = state[f"{layer}.lora_B.{ADAPTER}.weight"]
+            tensor = tensor + scale * (up.to(tensor.dtype) @ down.to(tensor.dtype))
+        merged[base] = tensor
+    return merged
 
 
 @dataclass(frozen=True)

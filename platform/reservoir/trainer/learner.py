@@ -6,6 +6,10 @@ critic when the algorithm is PPO's, and freezes a copy of the policy as the refe
 trainer then saves that state as the checkpoint of the step before the stage's first, so the
 reference of a stage is always that checkpoint's weights. `load` restores a checkpoint and the
 stage state that goes with it, the same way on every rank and on resume.
+
+With `trainer.sharding: fsdp2` the pool calls `shard` on every rank once the ranks are joined;
+from then on saving, loading, publishing and evaluating are collectives every rank enters
+together (the pool's commands), and the reference is a sharded copy (trainer/sharding.py).
 """
 
 from __future__ import annotations
@@ -18,19 +22,20 @@ import torch
 from reservoir.config import ReservoirConfig
 from reservoir.devices import resolve_device
 from reservoir.models import load_model, save_state, save_weights
-from reservoir.trainer.adapters import AdaptersOff, merged_weights, with_adapters
+from reservoir.trainer.adapters import AdaptersOff, merged_state, with_adapters
 from reservoir.trainer.batch import TrainBatch
 from reservoir.trainer.checkpoint import Resumed, load_checkpoint, load_weights_of, save_checkpoint
 from reservoir.trainer.critic import Critic, build_critic
 from reservoir.trainer.pairs import preference_step
 from reservoir.trainer.seed import step_seed
+from reservoir.trainer.sharding import frozen_copy, full_state, is_sharded, shard, whole
 from reservoir.trainer.stages import Stage, plan, stage_at
 from reservoir.trainer.step import ONE, Precision, Ranks, train_step
 
 
 class Learner:
     def __init__(self, config: ReservoirConfig, rank: int = 0) -> None:
-        self.config = config
+        self.config, self.rank = config, rank
         self.device = resolve_device(config.trainer.device, key="trainer.device", rank=rank)
         model, self.tokenizer = load_model(config.model.path)
         model.to(self.device)
@@ -52,6 +57,16 @@ class Learner:
         """Whether the policy trains LoRA adapters (trainer.lora) rather than every weight."""
         return self.config.trainer.lora is not None
 
+    @property
+    def sharded(self) -> bool:
+        return is_sharded(self.model)
+
+    def shard(self) -> None:
+        """Shard the policy over the pool's ranks (fsdp2), before any stage begins: every
+        rank keeps 1/N of the weights, and the optimizer holds those shards."""
+        self.model = shard(self.model, self.config.trainer.dtype)
+        self.optimizer = self._optimizer(self.config.trainer.lr)
+
     def _optimizer(self, lr: float) -> torch.optim.Optimizer:
         """AdamW over what trains: every weight, or the adapters only."""
         return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
@@ -72,14 +87,32 @@ class Learner:
 
     def publish(self, path: Path) -> Path:
         """The policy's weights as one safetensors file engines load in place: a LoRA
-        policy's merged with its adapters."""
+        policy's merged with its adapters. A sharded policy's ranks all call it: the whole
+        weights gather once on rank 0's CPU, which writes them (the others write nothing)."""
+        if not self.sharded and not self.adapters:
+            return save_weights(self.model, path)
+        state = full_state(self.model) if self.sharded else self.model.state_dict()
+        if not state:
+            return path
         if self.adapters:
-            return save_state(merged_weights(self.model), path)
-        return save_weights(self.model, path)
+            state = merged_state(state, self.config.trainer.lora)
+        return save_state(_tied_once(state, self.model), path)
+
+    def evaluate(self, evaluate, *args):
+        """`evaluate(model, tokenizer, *args)` on rank 0's policy in eval mode (every rank of
+        a sharded policy enters it: its layers stay gathered while rank 0 generates)."""
+        self.model.eval()  # generate with the KV cache, not through checkpointed layers
+        try:
+            if not self.sharded:
+                return evaluate(self.model, self.tokenizer, *args)
+            with whole(self.model):
+                return evaluate(self.model, self.tokenizer, *args) if evaluate else None
+        finally:
+            self.model.train()
 
     def save(self, root: Path, step: int, version: int) -> Path:
         folder = save_checkpoint(root, step, version, self.model, self.optimizer)
-        if self.critic is not None:
+        if self.critic is not None and self.rank == 0:  # the same on every rank
             self.critic.save(folder)
         return folder
 
@@ -107,6 +140,11 @@ class Learner:
         checkpoint `start`)."""
         if self.adapters:
             return AdaptersOff(self.model)
+        if self.sharded:
+            reference = frozen_copy(self.model, self.config.trainer.dtype)
+            if start is not None:
+                load_weights_of(start, reference)
+            return reference
         if start is None:
             return self._frozen(self.model)
         return self._frozen(type(self.model).from_pretrained(
@@ -150,6 +188,18 @@ class Learner:
                           temperature=self.config.explorer.temperature if sampled else 1.0,
                           reference=self.reference, critic=self.critic, precision=precision,
                           ranks=ranks, seed=step_seed(self.config.run.seed, step))
+
+
+def _tied_once(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Tied weights (the embedding and output layer) kept once, under the first of their
+    names in sorted order, as `save_weights` (safetensors' `save_model`) keeps them."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names: dict[int, list[str]] = {}
+    for name, param in base.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name.replace(".base_layer.", "."))
+    dropped = {name for group in names.values() for name in sorted(group)[1:]}
+    return {name: tensor.detach().contiguous() for name, tensor in state.items()
+            if name not in dropped}
 
 
 def _step_of(checkpoint: Path) -> int:

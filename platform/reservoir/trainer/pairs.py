@@ -3,7 +3,8 @@
 The batch holds the chosen responses first and the rejected ones after them, pair i being
 rows i and i + N. Each response's log-ratio is the sum over its trained tokens of
 log pi - log pi_ref; the preference loss (trainer.algorithms.PREFERENCE_LOSSES) compares them.
-Micro-batches take whole pairs; in a pool each rank trains its share of the pairs.
+Micro-batches take whole pairs; in a pool each rank trains its share of the pairs
+(`Ranks.micro_batches`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from reservoir.trainer.algorithms import PREFERENCE_LOSSES, call
 from reservoir.trainer.adapters import running
 from reservoir.trainer.batch import TrainBatch, token_logprobs
 from reservoir.trainer.presets import Algorithm
+from reservoir.trainer.sharding import is_sharded
 from reservoir.trainer.step import (ONE, Precision, Ranks, optimizer_step, sum_gradients,
                                     sum_metrics)
 
@@ -47,21 +49,20 @@ def preference_step(model, optimizer, batch: TrainBatch, algorithm: Algorithm, *
     per_micro = max(1, micro_batch // 2)
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {"loss": 0.0}
-    share = ranks.share(pairs)
-    for start in range(share.start, share.stop, per_micro):
-        chunk = slice(start, min(start + per_micro, share.stop))
+    for chunk, counts in ranks.micro_batches(pairs, per_micro, is_sharded(model)):
         part = pair_rows(batch, chunk)
         ratios = log_ratios(model, reference, part, precision)
         half = len(part) // 2
         loss, metrics = call(PREFERENCE_LOSSES.get(algorithm.preference_loss), ratios[:half],
                              ratios[half:], **algorithm.options())
-        weight = half / pairs
+        weight = half / pairs if counts else 0.0
         (loss * weight).backward()
         sums["loss"] += float(loss.detach()) * weight
         for name, value in metrics.items():
             sums[name] = sums.get(name, 0.0) + value * weight
     if ranks.world > 1:
-        sum_gradients(model, ranks)
+        if not is_sharded(model):  # a sharded model summed its own
+            sum_gradients(model, ranks)
         sums = sum_metrics(sums, ranks, model)
     stepped = optimizer_step([(model, optimizer, "grad_norm")], sums["loss"], max_grad_norm)
     return {**stepped, **sums,

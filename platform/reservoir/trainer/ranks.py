@@ -12,9 +12,15 @@ pickle):
 - TRAIN [step, n] + n row ids: fetch the rows from the store (waiting out an outage as rank 0
   does: store.outage_patience_s), put them in rank 0's order, train this rank's share of them
   (`Ranks.share`); `train_step` sums the gradients over all ranks.
-- LOAD [0, n] + n bytes of a checkpoint's path: load its weights and optimizer state, then a
-  barrier, so every rank holds what rank 0 holds before the next step.
+- DO [0, n] + n bytes of JSON naming what to do, then a barrier: `load` a checkpoint (so
+  every rank holds what rank 0 holds before the next step); with a sharded policy (fsdp2) also
+  `begin` a stage, `save` a checkpoint, `publish` (gather the weights to rank 0), `start_from`
+  another run's weights and `evaluate` (hold the layers gathered while rank 0 generates):
+  those touch every rank's shards, so rank 0 does them together with the followers.
 - STOP: exit.
+
+With `trainer.sharding: fsdp2` even one worker joins a process group (of one), and every rank
+shards its policy (`Learner.shard`) once joined.
 
 Failures: a rank that dies closes its connections, so the others' next collective raises at
 once (gloo; on NCCL a dead peer surfaces when the collective times out, after STEP_TIMEOUT). On
@@ -27,6 +33,7 @@ ignore SIGINT and stop when told (or are terminated, when rank 0 stops in the mi
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import re
@@ -47,15 +54,16 @@ from reservoir.store import Store
 from reservoir.store.retry import Patience
 from reservoir.store.runs import run_id_of
 from reservoir.trainer.batch import TrainBatch, make_batch
+from reservoir.trainer.checkpoint import Resumed
 from reservoir.trainer.learner import Learner
 from reservoir.trainer.seed import seed_everything
 from reservoir.trainer.sft import conversation, demonstrations, task_batch
 from reservoir.trainer.feeds import sft_tasks
-from reservoir.trainer.stages import stage_at
+from reservoir.trainer.stages import Stage, stage_at
 from reservoir.trainer.step import ONE, Ranks
 
-TRAIN, LOAD, STOP = 1, 2, 3
-PAYLOAD = {TRAIN: torch.int64, LOAD: torch.uint8}  # what follows each command's header
+TRAIN, DO, STOP = 1, 2, 3
+PAYLOAD = {TRAIN: torch.int64, DO: torch.uint8}  # what follows each command's header
 START_TIMEOUT = timedelta(minutes=10)   # a follower loads its model and joins within this
 STEP_TIMEOUT = timedelta(minutes=5)     # ranks wait this long for each other inside a step
 COMMAND_TIMEOUT = timedelta(days=31)    # followers wait for rank 0 between steps (leases,
@@ -90,7 +98,7 @@ class TrainerPool:
         self.followers: list = []
         self.commands = None  # the gloo group of commands, once the followers joined
         self.busy = False  # inside a collective: a STOP now would not match the followers'
-        if self.world > 1:
+        if self.world > 1 or config.trainer.sharding == "fsdp2":
             try:
                 self._start()
             except BaseException:
@@ -113,16 +121,47 @@ class TrainerPool:
 
     def load(self, checkpoint: Path) -> None:
         """Every follower loads the checkpoint rank 0 holds (weights and optimizer state)."""
-        if not self.followers:
-            return
-        with _Busy(self, f"loading {checkpoint.name}; continue the run with --resume"):
-            path = torch.tensor(list(str(checkpoint).encode()), dtype=torch.uint8)
-            self._send(LOAD, 0, path)
-            _collective(dist.barrier, group=self.commands)
+        if self.followers:
+            self._do(f"loading {checkpoint.name}", "load", path=str(checkpoint))
+
+    def resume(self, checkpoint: Path) -> Resumed:
+        """Every rank, rank 0 too, restores the checkpoint and the stage state after it."""
+        resumed = self._everywhere(lambda: self.learner.load(checkpoint), "load",
+                                   path=str(checkpoint))
+        if not self.learner.sharded:
+            self.load(checkpoint)
+        return resumed
+
+    def begin(self, stage: Stage, save) -> Path:
+        """Every rank enters `stage` from the same state, saved as the checkpoint `save()`
+        writes (a sharded policy's ranks enter it together; otherwise rank 0 does, and the
+        followers load its checkpoint)."""
+        self._everywhere(lambda: self.learner.begin(stage), "begin", step=stage.first_step)
+        checkpoint = save()
+        if not self.learner.sharded:
+            self.load(checkpoint)
+        return checkpoint
+
+    def save(self, root: Path, step: int, version: int) -> Path:
+        return self._everywhere(lambda: self.learner.save(root, step, version), "save",
+                                root=str(root), step=step, version=version)
+
+    def publish(self, path: Path) -> Path:
+        return self._everywhere(lambda: self.learner.publish(path), "publish", path=str(path))
+
+    def start_from(self, checkpoint: Path) -> None:
+        self._everywhere(lambda: self.learner.start_from(checkpoint), "start_from",
+                         path=str(checkpoint))
+
+    def evaluate(self, evaluate, *args):
+        return self._everywhere(lambda: self.learner.evaluate(evaluate, *args), "evaluate")
 
     def close(self) -> None:
         """STOP the followers (terminate them if that cannot be said now) and leave the group."""
         if not self.followers:
+            if self.commands is not None and dist.is_initialized():  # a sharded one alone
+                dist.destroy_process_group()
+            self.commands = None
             return
         stopped = False
         if self.commands is not None and not self.busy:
@@ -154,7 +193,9 @@ class TrainerPool:
         self._await_ready(rendezvous)
         self.commands = _join(rendezvous, 0, self.world, self.device)
         self.rendezvous = rendezvous  # the store's server lives as long as the group
-        self.ranks = Ranks(0, self.world, _reduce)
+        self.ranks = Ranks(0, self.world, _reduce) if self.world > 1 else ONE
+        if self.config.trainer.sharding == "fsdp2":
+            self.learner.shard()
 
     def _await_ready(self, rendezvous) -> None:
         keys = [f"ready/{rank}" for rank in range(1, self.world)]
@@ -165,6 +206,23 @@ class TrainerPool:
                 raise ReservoirError(f"trainer.workers: the trainer's {self.world - 1} other "
                                      f"ranks did not start within {START_TIMEOUT}")
             time.sleep(0.1)
+
+    def _everywhere(self, here, what: str, **order):
+        """`here()` on rank 0; with a sharded policy and followers, they `what` meanwhile."""
+        if not (self.followers and self.learner.sharded):
+            return here()
+        doing = f"{what} ({', '.join(f'{k} {v}' for k, v in order.items())})"
+        with _Busy(self, f"{doing}; continue the run with --resume"):
+            self._send(DO, 0, _encoded({"do": what, **order}))
+            result = here()
+            _collective(dist.barrier, group=self.commands)
+        return result
+
+    def _do(self, doing: str, what: str, **order) -> None:
+        """The followers alone do `what` (rank 0 already has); wait until they have."""
+        with _Busy(self, f"{doing}; continue the run with --resume"):
+            self._send(DO, 0, _encoded({"do": what, **order}))
+            _collective(dist.barrier, group=self.commands)
 
     def _send(self, command: int, step: int, payload: torch.Tensor | None = None) -> None:
         if not self.followers:
@@ -206,6 +264,10 @@ class _Busy:
             self.pool.busy = False
         elif issubclass(kind, RankLost):
             self.pool._raise_if_a_rank_died(error, self.doing)
+
+
+def _encoded(order: dict) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(order).encode()), dtype=torch.uint8)
 
 
 def _how_it_ended(exitcode: int) -> str:
@@ -272,12 +334,14 @@ class _Follower:
                                    timeout=START_TIMEOUT)
         rendezvous.set(f"ready/{self.ranks.rank}", "1")
         self.commands = _join(rendezvous, self.ranks.rank, self.world, self.device)
+        if self.config.trainer.sharding == "fsdp2":
+            self.learner.shard()
 
     def serve(self) -> None:
         while (order := _receive(self.commands))[0] != STOP:
             command, step, payload = order
-            if command == LOAD:
-                self.load(Path(bytes(payload.tolist()).decode()))
+            if command == DO:
+                self.do(json.loads(bytes(payload.tolist()).decode()))
             elif command == TRAIN:
                 try:
                     self.train(step, payload.tolist())
@@ -286,8 +350,24 @@ class _Follower:
             else:
                 raise ReservoirError(f"unknown command {command} from rank 0")
 
-    def load(self, checkpoint: Path) -> None:
-        self.learner.load(checkpoint)
+    def do(self, order: dict) -> None:
+        """What rank 0 does at the same time (or did: a load of its checkpoint), then the
+        barrier rank 0 waits at."""
+        learner, what = self.learner, order["do"]
+        if what == "load":
+            learner.load(Path(order["path"]))
+        elif what == "begin":
+            learner.begin(stage_at(learner.plan, order["step"]))
+        elif what == "save":
+            learner.save(Path(order["root"]), order["step"], order["version"])
+        elif what == "publish":
+            learner.publish(Path(order["path"]))
+        elif what == "start_from":
+            learner.start_from(Path(order["path"]))
+        elif what == "evaluate":
+            learner.evaluate(None)
+        else:
+            raise ReservoirError(f"unknown order {what!r} from rank 0")
         _collective(dist.barrier, group=self.commands)
 
     def train(self, step: int, ids: list[int]) -> None:

@@ -7,6 +7,8 @@ aggregation); the step only wires them together, so a new algorithm touches no l
 In a pool of data-parallel ranks every rank holds the whole batch (advantages need whole
 groups), trains its own slice of rows and sums its gradients with the others' through
 `Ranks.reduce`, so each rank steps with the full batch's gradient and the weights stay equal.
+A sharded policy (fsdp2) sums its gradient shards itself, in each backward pass; since every
+forward pass gathers weights from every rank, its ranks run equally many micro-batches.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from reservoir.trainer.algorithms import (ADVANTAGES, KL_ESTIMATORS, POLICY_LOSS
                                           aggregate, call, gae)
 from reservoir.trainer.batch import TrainBatch, token_logprobs
 from reservoir.trainer.presets import PRESETS, Algorithm
+from reservoir.trainer.sharding import is_sharded, whole_norm
 
 __all__ = ["Algorithm", "PRESETS", "Precision", "Ranks", "ONE", "StepNotFinite", "train_step",
            "update_rows", "optimizer_step", "sum_gradients", "sum_metrics"]
@@ -39,6 +42,22 @@ class Ranks:
 
     def share(self, rows: int) -> slice:
         return slice(rows * self.rank // self.world, rows * (self.rank + 1) // self.world)
+
+    def micro_batches(self, rows: int, micro_batch: int, lockstep: bool
+                      ) -> list[tuple[slice, bool]]:
+        """This rank's micro-batches of its share of `rows`, each with whether it counts. In
+        lockstep (a sharded policy) every rank runs as many as the largest share needs, its
+        share cut into that many nearly equal parts; a part left empty runs row 0 and does
+        not count (weight 0)."""
+        share = self.share(rows)
+        if not lockstep:
+            return [(slice(start, min(start + micro_batch, share.stop)), True)
+                    for start in range(share.start, share.stop, micro_batch)]
+        count = math.ceil(math.ceil(rows / self.world) / micro_batch)
+        size = share.stop - share.start
+        cuts = [share.start + size * part // count for part in range(count + 1)]
+        return [(slice(low, high), True) if high > low else (slice(0, 1), False)
+                for low, high in zip(cuts, cuts[1:])]
 
 
 ONE = Ranks()
@@ -126,11 +145,10 @@ def _update(stepped: list[tuple], batch: TrainBatch, index: torch.Tensor, prepar
         raise ConfigError(f"an update of {total_rows} rows leaves trainer rank {ranks.rank} of "
                           f"{ranks.world} without rows: fewer trainer.workers or "
                           "trainer.algorithm.mini_batches, or larger batches")
-    for start in range(share.start, share.stop, micro_batch):
-        rows = slice(start, min(start + micro_batch, share.stop))
+    for rows, counts in ranks.micro_batches(total_rows, micro_batch, is_sharded(model)):
         part, at = mini.rows(rows), index[rows].to(prepared.advantages.device)
         weight = (float(part.mask.sum()) / total_tokens if algorithm.aggregation == "token-mean"
-                  else len(part) / total_rows)
+                  else len(part) / total_rows) if counts else 0.0
         loss, parts = _micro_batch_loss(model, part, at, prepared, algorithm, temperature,
                                         reference, precision)
         if critic is not None:
@@ -145,7 +163,8 @@ def _update(stepped: list[tuple], batch: TrainBatch, index: torch.Tensor, prepar
             sums[name] = sums.get(name, 0.0) + value * weight
     if ranks.world > 1:
         for stepped_model, _, _ in stepped:
-            sum_gradients(stepped_model, ranks)
+            if not is_sharded(stepped_model):  # a sharded one summed its own
+                sum_gradients(stepped_model, ranks)
         sums = sum_metrics(sums, ranks, model)
     return sums | optimizer_step(stepped, sums["loss"], max_grad_norm)
 
@@ -174,21 +193,22 @@ def optimizer_step(stepped: list[tuple], loss: float,
     """Clip and step each (model, optimizer, norm metric's name); none steps when the loss or
     a gradient is not finite (StepNotFinite: the weights and optimizer state stay as they
     were). Every rank holds the same loss and summed gradients, so every rank decides alike."""
-    norms = {}
+    norms, whole = {}, {}  # a sharded model's norm is a DTensor; whole: its value everywhere
     for model, _, name in stepped:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norms[name] = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
-    if not math.isfinite(loss) or not all(torch.isfinite(norm) for norm in norms.values()):
+        whole[name] = whole_norm(norms[name])
+    if not math.isfinite(loss) or not all(torch.isfinite(norm) for norm in whole.values()):
         for model, optimizer, _ in stepped:
             optimizer.zero_grad(set_to_none=True)
-        shown = ", ".join(f"{name} {float(norm):g}" for name, norm in norms.items())
+        shown = ", ".join(f"{name} {float(norm):g}" for name, norm in whole.items())
         raise StepNotFinite(f"the loss is not finite ({loss:g}; {shown}): no weight was changed")
     metrics = {}
     for model, optimizer, name in stepped:
         if max_grad_norm is not None:
             params = [p for p in model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norms[name])
-            metrics[name] = float(norms[name])
+            metrics[name] = float(whole[name])
         optimizer.step()
     return metrics
 

@@ -142,7 +142,7 @@ class TrainerWorker:
         """Measure the start policy and record step 0 (kept if an earlier attempt recorded
         it); (first step to train, last committed step)."""
         if self.config.branch is not None:  # the parent's weights at the branch step
-            self.learner.start_from(branch_checkpoint(self.config))
+            self.pool.start_from(branch_checkpoint(self.config))
         self.summary.accuracy.append(("start", self._evaluate()))
         accuracy = self.summary.accuracy[-1][1]
         with self.store.engine.begin() as conn:
@@ -159,8 +159,7 @@ class TrainerWorker:
             first, committed = self._start()
             origin = "the start (no checkpoint yet)"
         else:
-            resumed = self.learner.load(checkpoint)
-            self.pool.load(checkpoint)
+            resumed = self.pool.resume(checkpoint)
             self.summary.steps, self.summary.version = resumed.step, resumed.version
             with self.store.engine.connect() as conn:
                 published = version_by(conn, self.run_id, resumed.step)
@@ -197,8 +196,7 @@ class TrainerWorker:
     def _begin(self, stage: Stage) -> None:
         """Enter a stage: fresh optimizer, critic, reference (the weights now, saved as the
         checkpoint of the step before its first); explorer stages publish these weights."""
-        self.learner.begin(stage)
-        self.pool.load(self._checkpoint())  # the other ranks begin it from the same state
+        self.pool.begin(stage, self._checkpoint)  # every rank begins it from the same state
         if stage.explores:
             self._publish(stage.first_step - 1, first=True)
         self.console.print(f"stage {stage.name!r}: {stage.steps} steps of "
@@ -306,7 +304,7 @@ class TrainerWorker:
         version = 0 if self.version is None else self.summary.version + 1
         untouched = version == 0 and step == 0 and self.config.branch is None
         location = (str(self.config.model.path) if untouched
-                    else str(self.learner.publish(self._weights_path(version))))
+                    else str(self.pool.publish(self._weights_path(version))))
         self.patience(lambda: self.store.publish_version(self.config.run.name, version,
                                                          location=location, train_step=step),
                       f"publishing version {version}")
@@ -323,7 +321,7 @@ class TrainerWorker:
             path.unlink(missing_ok=True)
 
     def _checkpoint(self) -> Path:
-        return self.learner.save(self.checkpoints, self.summary.steps, self.summary.version)
+        return self.pool.save(self.checkpoints, self.summary.steps, self.summary.version)
 
     def _progress(self, progress: dict | None, final: bool = False) -> None:
         """runs.progress (the live table's stage line), at most once every PROGRESS_EVERY_S."""
@@ -337,11 +335,7 @@ class TrainerWorker:
     def _evaluate(self) -> float:
         if self.evaluate is None or not self.held_out:
             return float("nan")
-        self.learner.model.eval()  # generate with the KV cache, not through checkpointed layers
-        try:
-            return self.evaluate(self.learner.model, self.learner.tokenizer, self.held_out)
-        finally:
-            self.learner.model.train()
+        return self.pool.evaluate(self.evaluate, self.held_out)
 
     def _record_accuracy(self, step: int) -> None:
         self.summary.accuracy.append((step, self._evaluate()))

@@ -1,0 +1,151 @@
+"""Sharded training (trainer.sharding: fsdp2): real spawned ranks, torch's fully_shard over
+gloo. Each rank holds half the policy; two sharded ranks train the weights the unsharded pool
+trains; a sharded checkpoint loads at another world size (2 -> 1, 1 -> 2) and unsharded; a
+whole `reservoir train` run (sft, then grpo-kl against a sharded reference) ends where the
+unsharded pool's run ends and exports as a model folder."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from reservoir.config import load_config, parse_config
+from reservoir.errors import ConfigError
+from reservoir.models import build_tiny_model, load_model
+from reservoir.prepare import ensure_run
+from reservoir.trainer.adapters import with_adapters
+from reservoir.trainer.batch import make_batch
+from reservoir.trainer.checkpoint import load_weights_of
+from reservoir.trainer.learner import Learner
+from reservoir.trainer.ranks import TrainerPool
+from reservoir.trainer.sharding import is_sharded_checkpoint, local
+from tests.test_recovery import offline_groups
+
+
+def test_the_issues_config_validates(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  lora: {rank: 8}\n  sharding: fsdp2\n  workers: 2\n"
+                    "  algorithm: {preset: ppo, epochs: 2, mini_batches: 4}\n")
+    trainer = load_config(path).trainer
+    assert (trainer.sharding, trainer.workers, trainer.lora.rank) == ("fsdp2", 2, 8)
+
+
+@pytest.mark.parametrize("value", ["fsdp", "FSDP2", "1", "[fsdp2]", "null"])
+def test_a_bad_sharding_is_one_line_naming_it(tmp_path, value):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"trainer:\n  sharding: {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "\n" not in str(info.value)
+    assert re.search(r"[:;] trainer\.sharding( \(line \d+\))?: ", str(info.value)), info.value
+
+
+def sharded_config(tmp_path: Path, db_url: str, model: Path, *, workers=2, sharding="fsdp2",
+                   lora=None, folder="ck"):
+    trainer = {"lora": lora} if lora else {}
+    return parse_config({
+        "run": {"name": "shards", "mode": "async", "seed": 3}, "model": {"path": str(model)},
+        "tasks": {"generate": "reverse", "count": 20}, "explorer": {"n": 4},
+        "trainer": {"batch_groups": 2, "micro_batch": 3, "lr": 1e-3, "workers": workers,
+                    "sharding": sharding, "device": "cpu", "algorithm": "grpo-kl",
+                    "checkpoint_dir": str(tmp_path / folder), **trainer},
+        "sampler": {"max_staleness": 100}, "store": {"url": db_url}})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("shards") / "tiny", seed=11)
+
+
+@pytest.fixture
+def batches(store, tmp_path, db_url, tiny):
+    ensure_run(store, sharded_config(tmp_path, db_url, tiny))
+    store.write_groups(offline_groups("shards", 10))
+    return [sorted(store.lease("shards", groups=2).rows, key=lambda row: row.id)
+            for _ in range(5)]
+
+
+def weights_of(checkpoint: Path, model_path: Path, lora=None) -> dict[str, torch.Tensor]:
+    """A checkpoint's policy, read whole by this process alone."""
+    model, _ = load_model(model_path)
+    if lora:
+        model = with_adapters(model, parse_config({"trainer": {"lora": lora}}).trainer.lora,
+                              seed=0)
+    load_weights_of(checkpoint, model)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def pooled(config, checkpoint: Path, steps: list[tuple[int, list]], save_at: int | None = None):
+    """A pool of `config` resumed from `checkpoint` trains `steps`; its last checkpoint (and
+    the one after step `save_at`), each rank's share of the policy, the steps' metrics."""
+    learner = Learner(config)
+    pad = learner.tokenizer.pad_token_id
+    saved = {}
+    with TrainerPool(config, learner) as pool:
+        pool.resume(checkpoint)
+        held = sum(local(p).numel() for p in learner.model.parameters())
+        metrics = []
+        for step, rows in steps:
+            metrics.append(pool.train(step, rows, make_batch(rows, pad)))
+            if step == save_at:
+                saved["at"] = pool.save(Path(config.trainer.checkpoint_dir), step, 0)
+        saved["last"] = pool.save(Path(config.trainer.checkpoint_dir), steps[-1][0], 0)
+    return saved, held, metrics
+
+
+@pytest.mark.parametrize("lora", [None, {"rank": 4, "target_modules": ["q_proj", "up_proj"]}],
+                         ids=["full", "lora"])
+def test_two_sharded_ranks_train_the_weights_the_unsharded_pool_trains(tmp_path, db_url, tiny,
+                                                                        batches, lora):
+    start = Learner(sharded_config(tmp_path, db_url, tiny, workers=1, sharding="none",
+                                   lora=lora))
+    start.begin(start.plan[0])  # a stage's start: the checkpoint both pools resume
+    checkpoint = start.save(tmp_path / "start", 0, 0)
+    everything = sum(p.numel() for p in start.model.parameters())
+    steps = list(enumerate(batches[:3], 1))
+    sides = {}
+    for sharding in ("none", "fsdp2"):
+        config = sharded_config(tmp_path, db_url, tiny, sharding=sharding, lora=lora,
+                                folder=sharding)
+        sides[sharding] = pooled(config, checkpoint, steps)
+    (plain, plain_held, plain_metrics), (shards, held, metrics) = sides["none"], sides["fsdp2"]
+    assert is_sharded_checkpoint(shards["last"]) and not is_sharded_checkpoint(plain["last"])
+    assert plain_held == everything and held <= 0.55 * everything  # rank 0's half
+    one, two = weights_of(plain["last"], tiny, lora), weights_of(shards["last"], tiny, lora)
+    moved = max(float((p - weights_of(checkpoint, tiny, lora)[n]).abs().max())
+                for n, p in one.items())
+    assert moved > 1e-4
+    for name, tensor in one.items():
+        torch.testing.assert_close(two[name], tensor, atol=1e-5, rtol=0, msg=name)
+    for a, b in zip(plain_metrics, metrics):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["kl"] == pytest.approx(a["kl"], abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_a_sharded_checkpoint_loads_at_another_world_size(tmp_path, db_url, tiny, batches):
+    """Two ranks (resuming an unsharded checkpoint) write a checkpoint one rank resumes, and
+    one rank's a two-rank pool resumes: each ends with the weights of two ranks that were
+    never stopped."""
+    start = Learner(sharded_config(tmp_path, db_url, tiny, workers=1, sharding="none"))
+    start.begin(start.plan[0])
+    checkpoint = start.save(tmp_path / "straight", 0, 0)
+    for folder in ("one", "two"):  # where each pool finds its stage's start (the reference)
+        shutil.copytree(checkpoint, tmp_path / folder / checkpoint.name)
+    steps = list(enumerate(batches, 1))
+    two = sharded_config(tmp_path, db_url, tiny, folder="two")
+    straight, _, _ = pooled(sharded_config(tmp_path, db_url, tiny, folder="straight"),
+                            checkpoint, steps, save_at=2)
+    one = sharded_config(tmp_path, db_url, tiny, workers=1, folder="one")
+    from_two, held, _ = pooled(one, straight["at"], steps[2:], save_at=3)   # 2 -> 1
+    assert held == sum(p.numel() for p in start.model.parameters())
+    back, _, _ = pooled(two, from_two["at"], steps[3:])                      # 1 -> 2
+    expected = weights_of(straight["last"], tiny)
+    for found in (from_two["last"], back["last"]):
+        for name, tensor in weights_of(found, tiny).items():
+            torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=0, msg=name)
