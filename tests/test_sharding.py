@@ -149,3 +149,50 @@ def test_a_sharded_checkpoint_loads_at_another_world_size(tmp_path, db_url, tiny
     for found in (from_two["last"], back["last"]):
         for name, tensor in weights_of(found, tiny).items():
             torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_sharded_run_ends_where_the_unsharded_pools_run_ends(tmp_path, new_database,
+                                                                template_db):
+    """`reservoir train`: an sft warm-up, then grpo-kl against the stage's reference, with
+    evaluations, checkpoints and published versions, at two ranks sharded and not; the same
+    weights at the end (1e-5), the same published policy, and the sharded checkpoint exported
+    gives the trainer's logits in transformers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from reservoir.export import export
+    from reservoir.store import Store
+    from tests.test_recovery import finish, start, warm_up_config, write_config
+    from tests.test_run import ledger
+
+    model = build_tiny_model(tmp_path / "tiny", seed=4)
+    runs = {}
+    for sharding in ("none", "fsdp2"):
+        db_url = new_database(template_db)
+        config = yaml.safe_load(warm_up_config(tmp_path, db_url, model, 4).read_text())
+        config["trainer"] |= {"checkpoint_dir": str(tmp_path / sharding), "workers": 2,
+                              "sharding": sharding, "algorithm": "grpo-kl", "lr": 1e-3,
+                              "warmup_lr": 1e-3, "steps": 4}
+        path = write_config(tmp_path / f"{sharding}.yaml", config)
+        with Store(db_url) as store:
+            ensure_run(store, parse_config(config))
+            store.write_groups(offline_groups("offline", 4 * 2))
+        output = finish(start("train", str(path), cwd=tmp_path))
+        assert ledger(db_url)["steps"] == list(range(9)), output
+        runs[sharding] = parse_config(config)
+    last = {side: tmp_path / side / "offline" / "step-000008" for side in runs}
+    assert is_sharded_checkpoint(last["fsdp2"]) and not is_sharded_checkpoint(last["none"])
+    expected = weights_of(last["none"], model)
+    for name, tensor in weights_of(last["fsdp2"], model).items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=0, msg=name)
+    published = {side: load_file(max((tmp_path / side / "offline" / "policy")
+                                     .glob("v*.safetensors"))) for side in runs}
+    assert published["fsdp2"].keys() == published["none"].keys()
+    for name, tensor in published["none"].items():
+        torch.testing.assert_close(published["fsdp2"][name], tensor, atol=1e-5, rtol=0)
+    folder = export(runs["fsdp2"], last["fsdp2"], tmp_path / "exported")
+    ids = torch.tensor([[5, 17, 40, 33, 8, 21]])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+        reference = AutoModelForCausalLM.from_pretrained(last["none"]).eval()(ids).logits
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)

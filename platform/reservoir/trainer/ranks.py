@@ -344,7 +344,7 @@ class _Follower:
                 self.do(json.loads(bytes(payload.tolist()).decode()))
             elif command == TRAIN:
                 try:
-                    self.train(step, payload.tolist())
+                    self.train(step, [] if payload is None else payload.tolist())
                 except StepNotFinite:
                     pass  # every rank refused the step alike: rank 0 says so and decides
             else:
