@@ -12,6 +12,8 @@
    mini-batches in bf16 (tokens/s, peak memory, state bytes against full fine-tuning), its
    merged weights are published, and `export` writes a folder whose logits in transformers
    match the trainer's; the 0.5B-shaped step with LoRA beside the full one.
+5. trainer.sharding fsdp2 on one CUDA rank (NCCL, a group of one) against the unsharded
+   learner: first-step loss, tokens/s, peak memory, a sharded checkpoint, a gathered publish.
 
     bash bench/gpu_check.sh            # installs the carried wheels, then runs this
     python bench/gpu_check.py [--steps 30 --big-steps 4 --batch 64 --seq 320]
@@ -220,6 +222,47 @@ def lora_epochs_export(work: Path, device: str, steps: int) -> None:
           f"{gaps[0]:.2e} / {gaps[1]:.2e}")
 
 
+def fsdp2_one_rank(work: Path, device: str, steps: int) -> None:
+    """trainer.sharding fsdp2 on one rank of the device (a process group of one): the first
+    step's loss against the unsharded learner's, tokens/s, peak memory, a sharded checkpoint
+    and a published version gathered from the shards."""
+    from reservoir.config import parse_config
+    from reservoir.trainer.learner import Learner
+    from reservoir.trainer.ranks import TrainerPool
+    from reservoir.trainer.sharding import is_sharded_checkpoint
+
+    tiny = build_tiny_model(work / "fsdp-tiny")
+    losses = {}
+    for sharding in ("none", "fsdp2"):
+        config = parse_config({"run": {"name": "fsdp-check"}, "model": {"path": str(tiny)},
+                               "trainer": {"device": device, "dtype": "bfloat16",
+                                           "micro_batch": 64, "sharding": sharding,
+                                           "checkpoint_dir": str(work / f"fsdp-{sharding}")}})
+        learner = Learner(config)
+        with TrainerPool(config, learner) as pool:
+            pool.begin(learner.plan[0], lambda: pool.save(work / f"fsdp-{sharding}", 0, 0))
+            batch = synthetic_batch(len(learner.tokenizer), 64, 96, learner.device)
+            sync = torch.cuda.synchronize if learner.device.type == "cuda" else (lambda: None)
+            if learner.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            losses[sharding] = pool.train(1, [], batch)["loss"]
+            sync()
+            started = time.perf_counter()
+            for _ in range(steps):
+                pool.train(1, [], batch)
+            sync()
+            rate = float(batch.mask.sum()) * steps / (time.perf_counter() - started)
+            peak = (torch.cuda.max_memory_allocated() / 2**30 if learner.device.type == "cuda"
+                    else float("nan"))
+            checkpoint = pool.save(work / f"fsdp-{sharding}", 1 + steps, 0)
+            published = pool.publish(work / f"fsdp-{sharding}.safetensors")
+        print(f"sharding {sharding} (tiny, bf16, one rank): {rate:,.0f} tokens/s, peak "
+              f"{peak:.2f} GiB, checkpoint sharded: {is_sharded_checkpoint(checkpoint)}, "
+              f"published {published.stat().st_size:,} bytes")
+    print(f"fsdp2 on one rank: first-step loss {losses['fsdp2']:.6f} against unsharded "
+          f"{losses['none']:.6f} (difference {abs(losses['fsdp2'] - losses['none']):.1e})")
+
+
 def cuda_rng_resumes(work: Path) -> None:
     model, _ = load_model(build_tiny_model(work / "rng-tiny"))
     model.cuda()
@@ -254,6 +297,7 @@ def main() -> None:
         cuda_rng_resumes(work)
     rft_run(work, args.steps, args.warmup, args.device)
     lora_epochs_export(work, args.device, args.big_steps)
+    fsdp2_one_rank(work, args.device, args.big_steps)
     big_steps(args.big_steps, args.batch, args.seq, device, args.big_layers)
 
 

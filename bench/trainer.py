@@ -14,6 +14,10 @@ What is compared (trained response tokens/s, and the ratio; median of repeats):
 (d) PPO epochs: algorithm epochs 4 (x 2 mini-batches) against 1: tokens of the batch per
     second (each of the 4 passes trains them again, plus one no-grad pass for the logprobs
     the batch starts from).
+(e) sharding: trainer.sharding fsdp2 at 2 ranks against the unsharded 2-rank pool: what rank 0
+    holds after a step (parameters, gradients, AdamW moments: its shards, or everything) and
+    tokens/s. Each repeat starts both pools afresh (one process has one process group), the
+    start untimed.
 
 Why it is fair:
 - Both sides start from the same weights with the same AdamW, train the same batches in the
@@ -54,6 +58,7 @@ from reservoir.store.runs import delete_run  # noqa: E402
 from reservoir.trainer.batch import TrainBatch, make_batch  # noqa: E402
 from reservoir.trainer.learner import Learner  # noqa: E402
 from reservoir.trainer.ranks import TrainerPool, rank_threads  # noqa: E402
+from reservoir.trainer.sharding import local  # noqa: E402
 
 CPU = torch.device("cpu")
 console = Console()
@@ -223,18 +228,48 @@ def with_trainer(config, **changes):
 
 
 def state_bytes(learner: Learner) -> int:
-    """What the trainer holds for the policy after a step: parameters, gradients and the
-    optimizer's state (each tensor once)."""
+    """What this rank holds for the policy after a step: parameters, gradients and the
+    optimizer's state (each tensor once; a sharded one's local shards)."""
     tensors = {}
     for param in learner.model.parameters():
-        tensors[param.data_ptr()] = param
+        tensors[local(param).data_ptr()] = local(param)
         if param.grad is not None:
-            tensors[param.grad.data_ptr()] = param.grad
+            tensors[local(param.grad).data_ptr()] = local(param.grad)
     for state in learner.optimizer.state.values():
         for value in state.values():
             if torch.is_tensor(value):
-                tensors[value.data_ptr()] = value
+                tensors[local(value).data_ptr()] = local(value)
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def state_line(title: str, sizes: dict[str, int]) -> str:
+    (a, size_a), (b, size_b) = sizes.items()
+    return (f"{title}: {a} {size_a / 2**20:,.1f} MiB | {b} {size_b / 2**20:,.1f} MiB | "
+            f"ratio {size_a / size_b:.3f} ({a} / {b})")
+
+
+def sharded_bench(config, rows: list, args) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """(e) fsdp2 against the unsharded pool, 2 ranks each, on the same batches from the same
+    weights; rank 0's state bytes after the first (untimed) step."""
+    sides = {"fsdp2": with_trainer(config, sharding="fsdp2"), "unsharded pool": config}
+    rates, sizes = {name: [] for name in sides}, {}
+    pad = None
+    for repeat in range(args.repeat):
+        for name in (list(sides) if repeat % 2 == 0 else list(sides)[::-1]):
+            cfg = sides[name]
+            learner = Learner(cfg)
+            pad = learner.tokenizer.pad_token_id
+            with TrainerPool(cfg, learner) as pool:
+                folder = Path(tempfile.mkdtemp())
+                pool.begin(learner.plan[0], lambda: pool.save(folder, 0, 0))
+                torch.set_num_threads(rank_threads(cfg))
+                steps = [partial(lambda batch: measured(pool.train(1, batch,
+                                                                   make_batch(batch, pad))),
+                                 batch) for batch in rows]
+                timed(steps[:1])
+                sizes[name] = state_bytes(learner)
+                rates[name].append(timed(steps[1:])[0])
+    return rates, sizes
 
 
 def variants_bench(sides: dict, rows: list, args, threads: int) -> dict[str, list[float]]:
@@ -252,11 +287,9 @@ def variants_bench(sides: dict, rows: list, args, threads: int) -> dict[str, lis
         timed(steps(name, rows[:1]))
         console.print(f"{name}: trainer state {state_bytes(learners[name]) / 2**20:,.1f} MiB "
                       "(parameters + gradients + AdamW moments)", highlight=False)
-    sizes = [state_bytes(learner) for learner in learners.values()]
-    console.print(f"state bytes ratio {list(learners)[0]} / {list(learners)[1]}: "
-                  f"{sizes[0] / sizes[1]:.3f}", highlight=False)
+    sizes = {name: state_bytes(learner) for name, learner in learners.items()}
     return alternate({name: partial(steps, name, rows[1:]) for name in learners}, args.repeat,
-                     dict.fromkeys(learners, threads))
+                     dict.fromkeys(learners, threads)), sizes
 
 
 def report(title: str, rates: dict[str, list[float]], target: str) -> str:
@@ -287,7 +320,7 @@ def parse_args():
     parser.add_argument("--shape", choices=["tiny", "qwen0.5b"], default="tiny",
                         help="qwen0.5b: Qwen2.5-0.5B's widths (896 wide, 14 heads of 64, 2 KV "
                         "heads, MLP 4864, vocabulary 151,936) with --layers layers")
-    parser.add_argument("--only", default="abcd", help="which comparisons to run, e.g. cd")
+    parser.add_argument("--only", default="abcde", help="which comparisons to run, e.g. cde")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--db-url", default=None, help="default: the embedded server")
     return parser.parse_args()
@@ -336,16 +369,23 @@ def main() -> None:
         if "c" in args.only:
             sides = {"lora rank 8": with_trainer(config, lora=LoraConfig(rank=8)),
                      "full": config}
-            lines.append(report("(c) LoRA against full fine-tuning, tokens/s",
-                                variants_bench(sides, rows, args, threads), " (lora / full)"))
+            rates, sizes = variants_bench(sides, rows, args, threads)
+            lines += [report("(c) LoRA against full fine-tuning, tokens/s", rates,
+                             " (lora / full)"),
+                      state_line("(c) trainer state after a step", sizes)]
         if "d" in args.only:
             algorithm = config.trainer.algorithm.model_copy(update={"epochs": 4,
                                                                     "mini_batches": 2})
             sides = {"epochs 4 x 2 mini-batches": with_trainer(config, algorithm=algorithm),
                      "epochs 1": config}
             lines.append(report("(d) PPO epochs, batch tokens/s",
-                                variants_bench(sides, rows, args, threads),
+                                variants_bench(sides, rows, args, threads)[0],
                                 " (4 epochs / 1)"))
+        if "e" in args.only:
+            rates, sizes = sharded_bench(config, rows, args)
+            lines += [report("(e) fsdp2 against the unsharded pool (2 ranks), tokens/s", rates,
+                             " (fsdp2 / pool)"),
+                      state_line("(e) rank 0's state after a step", sizes)]
     finally:
         with store.engine.begin() as conn:
             delete_run(conn, run)
