@@ -170,3 +170,62 @@ def test_a_run_samples_each_version_with_its_weights(tmp_path, db_url):
                                        atol=TOLERANCE, rtol=0)
             gaps_to_folder.append(np.abs(stored - forward_logprobs(folder, *ids, 1.0)).max())
         assert max(gaps_to_folder) > 100 * TOLERANCE  # not the weights the engine started with
+
+
+@pytest.fixture(scope="module")
+def exported_lora(tiny, tmp_path_factory):
+    """A LoRA policy (rank 8, adapters moved off zero) exported merged and as adapters."""
+    from reservoir.config import parse_config
+    from reservoir.export import export
+    from reservoir.trainer.learner import Learner
+
+    scratch = tmp_path_factory.mktemp("lora-export")
+    config = parse_config({"run": {"name": "lora-vllm"}, "model": {"path": str(tiny)},
+                           "trainer": {"lora": {"rank": 8}, "device": "cpu"}})
+    learner = Learner(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in learner.model.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    checkpoint = learner.save(scratch / "ck", 1, 0)
+    merged = export(config, checkpoint, scratch / "merged")
+    adapter = export(config, checkpoint, scratch / "adapter", adapter=True)
+    return merged, adapter, load_model(merged)[0]
+
+
+def test_an_exported_lora_policy_loads_in_vllm_merged(engine, policy, tiny, exported_lora):
+    merged, _, model = exported_lora
+    engine.load_weights(merged)  # a model folder, as `LLM(folder)` reads it
+    groups = engine.sample(PROMPTS, 3, temperature=0.8, max_tokens=12, seed=1)
+    assert largest_gap(model, groups, 0.8) < TOLERANCE
+    assert largest_gap(policy, groups, 0.8) > 100 * TOLERANCE  # the adapters changed it
+    engine.load_weights(tiny)
+
+
+def test_an_exported_lora_adapter_loads_in_vllms_lora_support(tiny, exported_lora):
+    """The peft adapter folder over the base, through vLLM's own LoRA (enable_lora): its
+    samples' logprobs are the merged model's."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    _, adapter, model = exported_lora
+    llm = LLM(str(tiny), dtype="float32", seed=0, enforce_eager=True,
+              distributed_executor_backend="mp", kv_cache_memory_bytes=64 * 2**20,
+              logprobs_mode="processed_logprobs", generation_config="vllm",
+              enable_lora=True, max_lora_rank=8, max_loras=1)
+    try:
+        tokenizer = load_model(tiny)[1]
+        prompts = [chat_ids(tokenizer, prompt) for prompt in PROMPTS]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                               SamplingParams(n=3, temperature=0.8, max_tokens=12, seed=1,
+                                              logprobs=0, flat_logprobs=True),
+                               lora_request=LoRARequest("exported", 1, str(adapter)),
+                               use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for ids, output in zip(prompts, outputs):
+        for choice in output.outputs:
+            found = np.asarray(choice.logprobs.logprobs, dtype=np.float32)
+            expected = forward_logprobs(model, ids, list(choice.token_ids), 0.8)
+            assert float(np.abs(expected - found).max()) < TOLERANCE
