@@ -12,6 +12,8 @@ from reservoir.trainer.algorithms import (ADVANTAGES, KL_ESTIMATORS, POLICY_LOSS
                                           discounted_returns, entropy_from_logits, gae,
                                           grpo_advantages, ppo_loss, value_loss, whiten)
 
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+
 # -- fixtures: a batch of 10 sequences x 6 tokens ----------------------------------------------
 
 RNG = np.random.default_rng(7)

@@ -20,6 +20,8 @@ from reservoir.trainer.batch import TrainBatch, full_logprobs, token_logprobs
 from reservoir.trainer.checkpoint import load_checkpoint, save_checkpoint
 from reservoir.trainer.step import PRESETS, Precision, train_step
 
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -17,6 +17,8 @@ from reservoir.trainer.batch import make_batch, token_logprobs
 from reservoir.trainer.learner import Learner
 from tests.test_recovery import offline_groups
 
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:

@@ -10,6 +10,8 @@ import torch
 from reservoir.errors import ConfigError
 from reservoir.models import TinySpec, build_tiny_model, char_tokenizer, load_model
 
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:

@@ -17,6 +17,8 @@ from reservoir.trainer.batch import make_batch, token_logprobs
 from reservoir.trainer.critic import build_critic
 from reservoir.trainer.step import PRESETS, train_step
 
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):

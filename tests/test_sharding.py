@@ -26,6 +26,8 @@ from reservoir.trainer.ranks import TrainerPool
 from reservoir.trainer.sharding import is_sharded_checkpoint, local
 from tests.test_recovery import offline_groups
 
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+
 
 def test_the_issues_config_validates(tmp_path):
     path = tmp_path / "c.yaml"

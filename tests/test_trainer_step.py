@@ -13,6 +13,8 @@ from reservoir.models import build_tiny_model
 from reservoir.trainer.batch import make_batch, token_logprobs
 from reservoir.trainer.step import PRESETS, train_step
 
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
