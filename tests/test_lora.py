@@ -123,6 +123,19 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(tmp_path, db_url,
                    for m in vars(learner.reference).values())  # no second copy
 
 
+def test_dpo_on_adapters_starts_at_log_2_against_the_base(tmp_path, db_url, tiny, rows):
+    """A dpo stage on adapters: the reference is the base, so the first step's log-ratios are 0
+    (B = 0) and its loss -log sigmoid(0); the steps after it move the adapters alone."""
+    import math
+
+    learner = begun(lora_config(tmp_path, db_url, tiny, algorithm="dpo"))
+    batch = make_batch(rows, learner.tokenizer.pad_token_id)  # rows i and i + 4 are a pair
+    first = learner.train(1, batch)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    later = [learner.train(step, batch)["loss"] for step in (2, 3)]
+    assert later[-1] < first["loss"] - 1e-3
+
+
 def test_a_published_version_is_the_merged_policy(tmp_path, db_url, tiny, rows):
     learner = begun(lora_config(tmp_path, db_url, tiny))
     batch = make_batch(rows, learner.tokenizer.pad_token_id)
