@@ -242,3 +242,22 @@ def test_ppo_with_its_critic_epochs_and_mini_batches_trains_adapters(tmp_path, d
     folder = learner.save(tmp_path / "ck", 1, 0)
     assert (folder / "critic.safetensors").is_file() and (folder / "adapter_model.safetensors"
                                                           ).is_file()
+
+
+def test_the_examples_checkpoint_is_at_most_5_percent_of_a_full_one(tmp_path, rows):
+    """examples/reverse_lora's adapters on its 512-wide model, after a step (AdamW's moments
+    held): the checkpoint folder against a full one's weights and two moments."""
+    from reservoir.models import TinySpec
+
+    config = load_config(Path(__file__).parents[1] / "examples/reverse_lora/config.yaml")
+    wide = build_tiny_model(tmp_path / "tiny-wide", spec=TinySpec(
+        hidden_size=512, heads=8, intermediate_size=1536))
+    config = config.model_copy(update={
+        "model": config.model.model_copy(update={"path": wide}),
+        "trainer": config.trainer.model_copy(update={"checkpoint_dir": tmp_path / "ck"})})
+    learner = begun(config)
+    learner.train(1, make_batch(rows, learner.tokenizer.pad_token_id))
+    folder = learner.save(tmp_path / "ck", 1, 0)
+    size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+    full = 3 * (wide / "model.safetensors").stat().st_size
+    assert size <= 0.05 * full, (size, full)
