@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from reservoir.models import build_tiny_model
 from tests.test_recovery import write_config
 from tests.test_run import ledger
+
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
 
 HEAVY = ("ray", "data_juicer", "great_expectations")
 # the real command, plus one line at exit naming the heavy modules it imported

@@ -21,6 +21,8 @@ from tests.commands import RESERVOIR
 from tests.test_recovery import query
 from tests.test_run import ledger
 
+pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+
 PLUGIN = Path(__file__).resolve().parent.parent / "examples" / "partial_credit_plugin"
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 from sqlalchemy import text
@@ -95,6 +96,7 @@ def trainer_config(tmp_path: Path, side: str, db_url: str, model: Path) -> Path:
         "sampler": {"max_staleness": 100}, "store": {"url": db_url}})
 
 
+@pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_trainer_killed_mid_run_resumes_to_the_same_model(tmp_path, new_database, template_db):
     model = build_tiny_model(tmp_path / "tiny", seed=4)
     sides = {side: (new_database(template_db), None) for side in ("straight", "killed")}
@@ -165,6 +167,7 @@ def _kill_a_claim_holder(db_url: str):
     return (victim, held) if still == len(held) else None  # else it finished first: try again
 
 
+@pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, db_url):
     model = build_tiny_model(tmp_path / "tiny", seed=6)
     config_path = write_config(tmp_path / "run.yaml", {
@@ -197,6 +200,7 @@ def warm_up_config(tmp_path: Path, db_url: str, model: Path, warmup_steps: int) 
     return write_config(tmp_path / "warm.yaml", config)
 
 
+@pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_continues_it(tmp_path, db_url):
     """Issue 8: main showed `created` and `-` through the whole warm-up and ignored Ctrl-C
     until it ended. Issue 10: the warm-up is an sft stage whose steps enter the ledger, so a
@@ -224,6 +228,7 @@ def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_continues_it(tmp_p
     assert ledger(db_url)["steps"] == list(range(stopped + 10 + 8 + 1))
 
 
+@pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_a_trainer_killed_in_its_warm_up_resumes_to_the_same_weights(tmp_path, new_database,
                                                                       template_db):
     """Issue 8: main refused `--resume` ("no checkpoint"). Killed in its warm-up, the trainer
