@@ -244,6 +244,25 @@ def test_ppo_with_its_critic_epochs_and_mini_batches_trains_adapters(tmp_path, d
                                                           ).is_file()
 
 
+def test_a_step_of_ppo_epochs_resumes_exactly(tmp_path, db_url, tiny, rows):
+    """A step of epochs x mini-batches replayed from the checkpoint before it: the same
+    shuffles (the step's seed), the same weights, bit for bit (adapters and full)."""
+    for lora in (RANK_8, None):
+        config = lora_config(tmp_path, db_url, tiny, lora=lora,
+                             algorithm={"preset": "ppo", "epochs": 2, "mini_batches": 2})
+        straight = begun(config)
+        batch = make_batch(rows, straight.tokenizer.pad_token_id)
+        straight.train(1, batch)
+        checkpoint = straight.save(tmp_path / f"ck-{lora is None}", 1, 0)
+        expected = straight.train(2, batch)
+        resumed = Learner(config)
+        resumed.load(checkpoint)
+        assert resumed.train(2, batch) == expected
+        for (name, a), (_, b) in zip(straight.model.named_parameters(),
+                                     resumed.model.named_parameters()):
+            assert torch.equal(a, b), name
+
+
 def test_the_examples_checkpoint_is_at_most_5_percent_of_a_full_one(tmp_path, rows):
     """examples/reverse_lora's adapters on its 512-wide model, after a step (AdamW's moments
     held): the checkpoint folder against a full one's weights and two moments."""

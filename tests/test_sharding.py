@@ -48,8 +48,8 @@ def test_a_bad_sharding_is_one_line_naming_it(tmp_path, value):
 
 
 def sharded_config(tmp_path: Path, db_url: str, model: Path, *, workers=2, sharding="fsdp2",
-                   lora=None, folder="ck", algorithm="grpo-kl"):
-    trainer = {"lora": lora} if lora else {}
+                   lora=None, folder="ck", algorithm="grpo-kl", **trainer):
+    trainer |= {"lora": lora} if lora else {}
     return parse_config({
         "run": {"name": "shards", "mode": "async", "seed": 3}, "model": {"path": str(model)},
         "tasks": {"generate": "reverse", "count": 20}, "explorer": {"n": 4},
@@ -133,6 +133,33 @@ def test_two_sharded_ranks_train_the_weights_the_unsharded_pool_trains(tmp_path,
         assert a.keys() == b.keys()
         for name in a:
             assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-5), name
+
+
+def test_bf16_compute_and_gradient_checkpointing_keep_float32_shards(tmp_path, db_url, tiny,
+                                                                    batches):
+    """dtype bfloat16 (the layers gathered in bf16, gradients reduced in float32) with gradient
+    checkpointing: float32 shards and optimizer state, and the steps' losses and gradient
+    norms those of the unsharded pool in bf16 (bf16's own precision apart)."""
+    extra = {"dtype": "bfloat16", "gradient_checkpointing": True}
+    start = Learner(sharded_config(tmp_path, db_url, tiny, workers=1, sharding="none", **extra))
+    start.begin(start.plan[0])
+    checkpoint = start.save(tmp_path / "start", 0, 0)
+    steps, sides = list(enumerate(batches[:2], 1)), {}
+    for sharding in ("none", "fsdp2"):
+        config = sharded_config(tmp_path, db_url, tiny, sharding=sharding, folder=sharding,
+                                **extra)
+        sides[sharding] = pooled(config, checkpoint, steps)
+    saved, _, metrics = sides["fsdp2"]
+    for a, b in zip(sides["none"][2], metrics):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
+    weights = weights_of(saved["last"], tiny)
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float32}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(saved["last"] / "sharded").read_metadata().state_dict_metadata
+    moments = [meta for name, meta in metadata.items() if name.endswith("exp_avg")]
+    assert moments and all(meta.properties.dtype == torch.float32 for meta in moments)
 
 
 def test_a_sharded_checkpoint_loads_at_another_world_size(tmp_path, db_url, tiny, batches):
