@@ -195,24 +195,18 @@ def test_a_lora_run_killed_mid_run_resumes_to_the_same_adapters(tmp_path, new_da
     published every version as merged weights an engine loads."""
     import signal
 
-    import yaml
     from safetensors.torch import load_file
 
-    from reservoir.store import Store
-    from tests.test_recovery import finish, query, start, wait_for, warm_up_config, write_config
+    from tests.test_recovery import finish, offline_warm_up_run, query, start, wait_for
     from tests.test_run import ledger
 
     model = build_tiny_model(tmp_path / "tiny", seed=4)
     paths = {}
     for side in ("straight", "killed"):
         db_url = new_database(template_db)
-        config = yaml.safe_load(warm_up_config(tmp_path, db_url, model, 6).read_text())
-        config["trainer"] |= {"checkpoint_dir": str(tmp_path / side), "checkpoint_interval": 4,
-                              "lora": {"rank": 8}, "algorithm": "grpo-kl"}
-        paths[side] = (db_url, write_config(tmp_path / f"{side}.yaml", config))
-        with Store(db_url) as store:
-            ensure_run(store, parse_config(config))
-            store.write_groups(offline_groups("offline", 8 * 2))
+        paths[side] = (db_url, offline_warm_up_run(
+            tmp_path, side, db_url, model, 6, 8 * 2, checkpoint_dir=str(tmp_path / side),
+            checkpoint_interval=4, lora={"rank": 8}, algorithm="grpo-kl"))
     finish(start("train", str(paths["straight"][1]), cwd=tmp_path))
     db_url, config_path = paths["killed"]
     victim = start("train", str(config_path), cwd=tmp_path)

@@ -200,6 +200,19 @@ def warm_up_config(tmp_path: Path, db_url: str, model: Path, warmup_steps: int) 
     return write_config(tmp_path / "warm.yaml", config)
 
 
+def offline_warm_up_run(tmp_path: Path, side: str, db_url: str, model: Path, warmup_steps: int,
+                        groups: int, **trainer) -> Path:
+    """`side`.yaml: the warm-up config with `trainer` keys changed, its run created in the
+    store and `groups` offline groups written for the steps after the warm-up."""
+    config = yaml.safe_load(warm_up_config(tmp_path, db_url, model, warmup_steps).read_text())
+    config["trainer"] |= trainer
+    path = write_config(tmp_path / f"{side}.yaml", config)
+    with Store(db_url) as store:
+        ensure_run(store, parse_config(config))
+        store.write_groups(offline_groups("offline", groups))
+    return path
+
+
 @pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_continues_it(tmp_path, db_url):
     """Issue 8: main showed `created` and `-` through the whole warm-up and ignored Ctrl-C
@@ -238,12 +251,9 @@ def test_a_trainer_killed_in_its_warm_up_resumes_to_the_same_weights(tmp_path, n
     paths = {}
     for side in ("straight", "killed"):
         db_url = new_database(template_db)
-        config = yaml.safe_load(warm_up_config(tmp_path, db_url, model, 60).read_text())
-        config["trainer"] |= {"checkpoint_dir": str(tmp_path / side), "checkpoint_interval": 100}
-        paths[side] = (db_url, write_config(tmp_path / f"{side}.yaml", config))
-        with Store(db_url) as store:
-            ensure_run(store, parse_config(config))
-            store.write_groups(offline_groups("offline", 8 * 2))
+        paths[side] = (db_url, offline_warm_up_run(
+            tmp_path, side, db_url, model, 60, 8 * 2, checkpoint_dir=str(tmp_path / side),
+            checkpoint_interval=100))
     finish(start("train", str(paths["straight"][1]), cwd=tmp_path))
     db_url, config_path = paths["killed"]
     victim = start("train", str(config_path), cwd=tmp_path)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from reservoir.config import load_config, parse_config
 from reservoir.errors import ConfigError
@@ -195,25 +194,20 @@ def test_a_sharded_run_ends_where_the_unsharded_pools_run_ends(tmp_path, new_dat
     from transformers import AutoModelForCausalLM
 
     from reservoir.export import export
-    from reservoir.store import Store
-    from tests.test_recovery import finish, start, warm_up_config, write_config
+    from tests.test_recovery import finish, offline_warm_up_run, start
     from tests.test_run import ledger
 
     model = build_tiny_model(tmp_path / "tiny", seed=4)
     runs = {}
     for sharding in ("none", "fsdp2"):
         db_url = new_database(template_db)
-        config = yaml.safe_load(warm_up_config(tmp_path, db_url, model, 4).read_text())
-        config["trainer"] |= {"checkpoint_dir": str(tmp_path / sharding), "workers": 2,
-                              "sharding": sharding, "algorithm": "grpo-kl", "lr": 1e-3,
-                              "warmup_lr": 1e-3, "steps": 4}
-        path = write_config(tmp_path / f"{sharding}.yaml", config)
-        with Store(db_url) as store:
-            ensure_run(store, parse_config(config))
-            store.write_groups(offline_groups("offline", 4 * 2))
+        path = offline_warm_up_run(tmp_path, sharding, db_url, model, 4, 4 * 2,
+                                   checkpoint_dir=str(tmp_path / sharding), workers=2,
+                                   sharding=sharding, algorithm="grpo-kl", lr=1e-3,
+                                   warmup_lr=1e-3, steps=4)
         output = finish(start("train", str(path), cwd=tmp_path))
         assert ledger(db_url)["steps"] == list(range(9)), output
-        runs[sharding] = parse_config(config)
+        runs[sharding] = load_config(path)
     last = {side: tmp_path / side / "offline" / "step-000008" for side in runs}
     assert is_sharded_checkpoint(last["fsdp2"]) and not is_sharded_checkpoint(last["none"])
     expected = weights_of(last["none"], model)

@@ -2,9 +2,10 @@
 
 The run's own stored config says where its checkpoints are and what its base model is. A full
 run's checkpoint (whole, or a sharded run's DCP files, read here by one process) is written
-again as a model folder with the base's tokenizer. A LoRA run's checkpoint holds adapters: exported merged into the base (a plain
-model folder for transformers and vLLM), or with `adapter` as a peft adapter folder
-(`adapter_config.json`, `adapter_model.safetensors`) over the base at model.path.
+again as a model folder with the base's tokenizer. A LoRA run's checkpoint holds adapters:
+exported merged into the base (a plain model folder for transformers and vLLM), or with
+`adapter` as a peft adapter folder (`adapter_config.json`, `adapter_model.safetensors`) over
+the base at model.path.
 """
 
 from __future__ import annotations

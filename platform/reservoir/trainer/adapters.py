@@ -6,7 +6,8 @@ reference KL and DPO measure against is the base itself, the adapters disabled w
 (`AdaptersOff`), so no second copy of the model is held. A checkpoint holds the adapters and
 their optimizer state (peft's `adapter_model.safetensors`, `adapter_config.json`); a published
 policy version is the merged weights (base + alpha / r x B A, computed from the weights
-without touching the model), so every engine takes it in place as it takes a fully trained policy's.
+without touching the model), so every engine takes it in place as it takes a fully trained
+policy's.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from reservoir.trainer.checkpoint import Resumed, load_checkpoint, load_weights_
 from reservoir.trainer.critic import Critic, build_critic
 from reservoir.trainer.pairs import preference_step
 from reservoir.trainer.seed import step_seed
-from reservoir.trainer.sharding import frozen_copy, full_state, is_sharded, shard, whole
+from reservoir.trainer.sharding import (base_of, frozen_copy, full_state, is_sharded, shard,
+                                        whole)
 from reservoir.trainer.stages import Stage, plan, stage_at
 from reservoir.trainer.step import ONE, Precision, Ranks, train_step
 
@@ -193,9 +194,8 @@ class Learner:
 def _tied_once(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """Tied weights (the embedding and output layer) kept once, under the first of their
     names in sorted order, as `save_weights` (safetensors' `save_model`) keeps them."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names: dict[int, list[str]] = {}
-    for name, param in base.named_parameters(remove_duplicate=False):
+    for name, param in base_of(model).named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name.replace(".base_layer.", "."))
     dropped = {name for group in names.values() for name in sorted(group)[1:]}
     return {name: tensor.detach().contiguous() for name, tensor in state.items()

@@ -122,7 +122,7 @@ class TrainerPool:
     def load(self, checkpoint: Path) -> None:
         """Every follower loads the checkpoint rank 0 holds (weights and optimizer state)."""
         if self.followers:
-            self._do(f"loading {checkpoint.name}", "load", path=str(checkpoint))
+            self._do("load", path=str(checkpoint))
 
     def resume(self, checkpoint: Path) -> Resumed:
         """Every rank, rank 0 too, restores the checkpoint and the stage state after it."""
@@ -211,18 +211,17 @@ class TrainerPool:
         """`here()` on rank 0; with a sharded policy and followers, they `what` meanwhile."""
         if not (self.followers and self.learner.sharded):
             return here()
+        return self._do(what, here, **order)
+
+    def _do(self, what: str, here=lambda: None, **order):
+        """The followers do `what` while rank 0 does `here()` (nothing: it already has);
+        then every rank waits for the others."""
         doing = f"{what} ({', '.join(f'{k} {v}' for k, v in order.items())})"
         with _Busy(self, f"{doing}; continue the run with --resume"):
             self._send(DO, 0, _encoded({"do": what, **order}))
             result = here()
             _collective(dist.barrier, group=self.commands)
         return result
-
-    def _do(self, doing: str, what: str, **order) -> None:
-        """The followers alone do `what` (rank 0 already has); wait until they have."""
-        with _Busy(self, f"{doing}; continue the run with --resume"):
-            self._send(DO, 0, _encoded({"do": what, **order}))
-            _collective(dist.barrier, group=self.commands)
 
     def _send(self, command: int, step: int, payload: torch.Tensor | None = None) -> None:
         if not self.followers:

@@ -40,7 +40,7 @@ def shard(model, dtype: str):
     in place; gradients summed over ranks."""
     compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-    layer_types = set(_base(model)._no_split_modules or ())
+    layer_types = set(base_of(model)._no_split_modules or ())
     for module in list(model.modules()):
         if type(module).__name__ in layer_types:
             fully_shard(module, mp_policy=policy)
@@ -69,13 +69,13 @@ def frozen_copy(model, dtype: str):
     """A sharded, frozen copy of a sharded policy (a stage's reference): built on the meta
     device, sharded alike, then each rank's shards and the buffers copied; no full copy."""
     with torch.device("meta"):
-        copy = AutoModelForCausalLM.from_config(_base(model).config)
+        copy = AutoModelForCausalLM.from_config(base_of(model).config)
     shard(copy, dtype)
     copy.to_empty(device=next(local(p) for p in model.parameters()).device)
     with torch.no_grad():
-        for mine, theirs in zip(copy.parameters(), _base(model).parameters(), strict=True):
+        for mine, theirs in zip(copy.parameters(), base_of(model).parameters(), strict=True):
             local(mine).copy_(local(theirs))
-        for mine, theirs in zip(copy.buffers(), _base(model).buffers(), strict=True):
+        for mine, theirs in zip(copy.buffers(), base_of(model).buffers(), strict=True):
             mine.copy_(theirs)
     for param in copy.parameters():
         param.requires_grad_(False)
@@ -174,5 +174,6 @@ def _sharded(model):
     return (module for module in model.modules() if isinstance(module, FSDPModule))
 
 
-def _base(model):
+def base_of(model):
+    """The model under a peft wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -118,8 +118,9 @@ def update_rows(rows: int, algorithm: Algorithm, seed: int) -> list[torch.Tensor
     if algorithm.updates == 1:
         return [torch.arange(rows)]
     if algorithm.mini_batches > rows:
-        raise ConfigError(f"trainer.algorithm.mini_batches: {algorithm.mini_batches} mini-batches of a {rows}-row "
-                         "batch leave some without rows; lower it")
+        raise ConfigError(f"trainer.algorithm.mini_batches: {algorithm.mini_batches} "
+                          f"mini-batches of a {rows}-row batch leave some without rows; "
+                          "lower it")
     generator = torch.Generator().manual_seed(seed)
     parts = []
     for _ in range(algorithm.epochs):
