@@ -579,6 +579,11 @@ class RunSection(Section):
     mode: Literal["sync", "async"] = Field(
         default="sync", description="sync: on-policy; async: explorers run ahead by at most "
         "sampler.max_staleness policy versions")
+    placement: Literal["split", "colocated"] = Field(
+        default="split", description="split: a trainer and explorer.workers explorers in "
+        "processes of their own (Ray), each holding the model; colocated: one process holds "
+        "one model on trainer.device and alternates generating a round with it and training "
+        "on it (one device, no weight files between the two)")
     seed: Count = count(0, 0, 2**32 - 1)
     branch_from: Annotated[str | None, AfterValidator(_branch)] = Field(
         default=None, description="RUN@STEP (`--from`): start from that run's weights at that "
@@ -646,6 +651,29 @@ class ReservoirConfig(Section):
                              "many policy versions explorers may run ahead (e.g. 1)")
         return self
 
+    @model_validator(mode="after")
+    def _colocated_fits(self) -> ReservoirConfig:
+        if self.run.placement != "colocated":
+            return self
+        alone = {"trainer.workers": self.trainer.workers, "explorer.workers": self.explorer.workers}
+        for key, value in alone.items():
+            if value != 1:
+                raise ValueError(f"{key} is {value} but run.placement is colocated: one process "
+                                 "trains and explores; use placement: split for pools")
+        if self.explorer.engine == "vllm":
+            raise ValueError("explorer.engine is vllm but run.placement is colocated: a "
+                             "colocated run generates with the trainer's own module "
+                             "(transformers); use placement: split for vLLM")
+        if self.explorer.device not in ("auto", self.trainer.device):
+            raise ValueError(f"explorer.device is {self.explorer.device} but run.placement is "
+                             f"colocated: the explorer uses the trainer's model on "
+                             f"trainer.device ({self.trainer.device})")
+        if self.serve is not None:
+            raise ValueError("serve: is set but run.placement is colocated: a served run's "
+                             "groups come from agents through `reservoir serve`; use "
+                             "placement: split")
+        return self
+
     @property
     def branch(self) -> tuple[str, int] | None:
         """(run, step) this run branches from, if it does."""
@@ -656,12 +684,13 @@ class ReservoirConfig(Section):
 
     def torch_threads(self, role: Literal["explorer", "trainer"]) -> int:
         """The configured threads, else the cores shared by the workers that compute at once:
-        in sync mode explorers and the trainer take turns, in async mode all run together."""
+        in sync mode explorers and the trainer take turns, in async mode all run together; a
+        colocated run is one process that does one thing at a time."""
         configured = self.explorer.threads if role == "explorer" else self.trainer.threads
         if configured:
             return configured
         together = self.explorer.workers + (self.run.mode == "async")
-        if role == "trainer" and self.run.mode == "sync":
+        if self.run.placement == "colocated" or (role == "trainer" and self.run.mode == "sync"):
             together = 1
         return max(1, (os.cpu_count() or 1) // together)
 

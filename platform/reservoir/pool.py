@@ -18,6 +18,7 @@ from typing import Callable
 
 from rich.console import Console
 
+from reservoir.colocated import Colocated
 from reservoir.config import ReservoirConfig
 from reservoir.devices import gpus_wanted
 from reservoir.errors import ConfigError, ReservoirError
@@ -37,7 +38,10 @@ EXPLORER_RESTARTS = 3  # Ray restarts a dead explorer actor this often, and retr
 
 def run(config: ReservoirConfig, *, resume: bool = False,
         console: Console | None = None) -> RunSummary:
-    """Trainer and explorer pools on Ray, until the trainer is done or Ctrl-C."""
+    """Trainer and explorer pools on Ray, until the trainer is done or Ctrl-C; a colocated
+    run is one process (`train`)."""
+    if config.run.placement == "colocated":
+        return train(config, resume=resume, console=console)
     import ray
 
     console = console or Console()
@@ -89,6 +93,9 @@ def _report(refs: list, console: Console) -> None:
 
 def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[ExplorerStats]:
     """Explorers only: one in this process, or a Ray pool of explorer.workers."""
+    if config.run.placement == "colocated":
+        raise ConfigError("run.placement is colocated: its trainer explores in its own "
+                          "process; start the run with `reservoir run` (or `reservoir train`)")
     console = console or Console()
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
@@ -113,14 +120,15 @@ def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[
 
 def train(config: ReservoirConfig, *, resume: bool = False,
           console: Console | None = None) -> RunSummary:
-    """The trainer only, in this process."""
+    """The trainer only, in this process (with its explorer, in a colocated run)."""
     console = console or Console()
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config, resume=resume)
         monitor = Monitor(store.engine, config.run.name, total_steps(config))
+        colocate = Colocated if config.run.placement == "colocated" else None
         trainer = TrainerWorker(config, resume=resume, console=console,
-                                evaluate=partial(held_out_accuracy, config))
+                                evaluate=partial(held_out_accuracy, config), colocate=colocate)
         return _in_thread(trainer, monitor, console)
 
 

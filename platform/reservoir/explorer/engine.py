@@ -22,7 +22,7 @@ import torch
 
 from reservoir.chat import prompt_ids
 from reservoir.devices import DTYPES, resolve_device
-from reservoir.errors import ConfigError
+from reservoir.errors import ConfigError, ReservoirError
 from reservoir.models import load_model, load_weights
 
 
@@ -94,9 +94,15 @@ def make_engine(config, seed: int | None = None) -> Engine:
 
 def take_policy(engine: Engine, location: str | None, model_path: Path) -> bool:
     """Load a published policy's weights in place, unless they are the model folder's own
-    (version 0 of a fresh run); whether anything was loaded."""
-    path = Path(location) if location else None
-    if path is None or not (path.is_file() or path.resolve() != Path(model_path).resolve()):
+    (version 0 of a fresh run); whether anything was loaded. A version without a location
+    has no weight file: a colocated run's, which only its own process generates with."""
+    if not location:
+        raise ReservoirError("the run's latest policy version has no weight file: it is a "
+                             "colocated run (run.placement: colocated), whose process "
+                             "generates with the trainer's own weights; explore or serve it "
+                             "from a run with placement: split")
+    path = Path(location)
+    if not (path.is_file() or path.resolve() != Path(model_path).resolve()):
         return False
     engine.load_weights(path)
     return True

@@ -31,6 +31,7 @@ from reservoir.store.pace import Pace, claim_budget
 from reservoir.store.retry import Patience, Resumption, is_outage
 from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of, status_of
 from reservoir.store.tasks import claim_tasks, finishing, release_claims
+from reservoir.trainer.seed import step_seed
 from reservoir.trainer.stages import last_step, plan
 
 DONE = ("finished", "stopped")  # a failed run waits for its trainer to resume (Resumption)
@@ -58,12 +59,19 @@ def set_threads(threads: int) -> None:
 
 
 class ExplorerWorker:
-    def __init__(self, config: ReservoirConfig, index: int = 0) -> None:
-        self.config = config
+    """`shared`: the engine is the trainer's own module (a colocated run): it always holds
+    the latest policy, so nothing is loaded, and each round seeds its sampling from the run's
+    seed, the version and its first task, so a resumed run samples what the first attempt
+    did."""
+
+    def __init__(self, config: ReservoirConfig, index: int = 0, *,
+                 shared: bool = False) -> None:
+        self.config, self.shared = config, shared
         self.name = f"explorer-{index}@{socket.gethostname()}:{os.getpid()}"
         self.seed = config.run.seed + 1000 * (index + 1)
         self.token = uuid.uuid4()
         self.version: int | None = None
+        self.workflow = make_workflow(config.explorer.workflow, config.explorer.workflow_options)
         self._stop = threading.Event()
 
     def request_stop(self) -> None:
@@ -77,8 +85,6 @@ class ExplorerWorker:
         set_threads(self.config.torch_threads("explorer"))
         torch.manual_seed(self.seed)
         stats = ExplorerStats(self.name)
-        explorer = self.config.explorer
-        self.workflow = make_workflow(explorer.workflow, explorer.workflow_options)
         engine = make_engine(self.config, seed=self.seed)
         patience = Patience(self.config.store.outage_patience_s, say=print)
         with Store.open(self.config, quiet=True) as store, Batcher(engine) as batcher, \
@@ -89,18 +95,18 @@ class ExplorerWorker:
                                     say=lambda line: print(f"{self.name}: {line}", flush=True))
             try:
                 while not self._stop.is_set():
-                    outcome = patience(lambda: self._once(store, run_id, batcher, stats),
-                                       self.name, before_retry=lambda: self._release(store))
+                    outcome = patience(lambda: self.round(store, run_id, batcher, stats),
+                                       self.name, before_retry=lambda: self.release(store))
                     if outcome == "done":
                         break
                     resumption.check(outcome == "failed")
                     if outcome in ("wait", "failed"):
                         listener.wait(IDLE_POLL_S)
             finally:
-                self._release(store, quietly=True)
+                self.release(store, quietly=True)
         return stats
 
-    def _release(self, store: Store, quietly: bool = False) -> None:
+    def release(self, store: Store, quietly: bool = False) -> None:
         """Give back the claims this worker holds (after a lost round, or when it stops; if
         the store is out then, they expire by themselves)."""
         try:
@@ -110,7 +116,7 @@ class ExplorerWorker:
             if not (quietly and is_outage(exc)):
                 raise
 
-    def _once(self, store: Store, run_id: int, batcher: Batcher, stats: ExplorerStats) -> str:
+    def round(self, store: Store, run_id: int, batcher: Batcher, stats: ExplorerStats) -> str:
         """One round: 'done' (the run ended), 'failed' (its trainer failed), 'wait' (nothing
         to do yet) or 'explored'."""
         with store.engine.connect() as conn:
@@ -129,6 +135,8 @@ class ExplorerWorker:
         if not claimed:
             return "wait"
         explorer = self.config.explorer
+        if self.shared:
+            torch.manual_seed(step_seed(self.seed, self.version * 1_000_003 + claimed[0][0]))
         groups = explore(self.workflow, [Task.of(row) for row in claimed], batcher,
                          Sampling(explorer.n, explorer.temperature, explorer.max_tokens),
                          run=self.config.run.name, version=self.version,
@@ -164,7 +172,7 @@ class ExplorerWorker:
         """Take a published policy's weights in place (the engine is not rebuilt); the seconds
         each update took go to the stats."""
         started = time.monotonic()
-        if take_policy(engine, location, self.config.model.path):
+        if not self.shared and take_policy(engine, location, self.config.model.path):
             stats.update_seconds.append(time.monotonic() - started)
         self.version = version
         stats.versions_loaded += 1

@@ -55,6 +55,7 @@ class PipelineWorker:
     def __init__(self, config: ReservoirConfig, path: Path, runs: list[str] | None = None):
         self.config, self.path = config, Path(path)
         self.runs = runs
+        self.stats = StreamStats(stream_spec(self.path).name)
         self._stop = threading.Event()
 
     def request_stop(self) -> None:
@@ -62,8 +63,7 @@ class PipelineWorker:
 
     def run(self) -> StreamStats:
         """Pass after pass until asked to stop, or until its runs have ended and it is idle."""
-        spec = stream_spec(self.path)
-        stats = StreamStats(spec.name)
+        spec, stats = stream_spec(self.path), self.stats
         runs = spec.runs_to_read(self.runs)
         patience = Patience(self.config.store.outage_patience_s, say=print)
         resumption = Resumption(", ".join(runs), self.config.run.resume_wait_s,
@@ -83,6 +83,16 @@ class PipelineWorker:
                     if outcome == "idle":
                         listener.wait(wait_s)
         return stats
+
+    def pass_once(self, store: Store) -> StreamStats:
+        """One pass now, in the caller's process (a colocated run's, after each round it
+        explored); a pass with nothing to do writes nothing."""
+        spec = stream_spec(self.path)
+        runs = spec.runs_to_read(self.runs)
+        with store.engine.connect() as conn:
+            run_ids = [row.id for row in conn.execute(lookup(runs))]
+        self._pass(store, spec, runs, run_ids, self.stats)
+        return self.stats
 
     def _run_ids(self, store: Store, spec: PipelineSpec, runs: list[str]) -> list[int]:
         """The runs' ids, once each exists (waiting up to run.resume_wait_s, saying so)."""

@@ -90,6 +90,14 @@ def release_claims(conn: Connection, token: uuid.UUID) -> int:
     return conn.execute(stmt).rowcount
 
 
+def release_run_claims(conn: Connection, run_id: int) -> int:
+    """Give back every claim on the run's tasks, whoever holds it (a colocated run, the only
+    explorer of its run, restarting after its process died)."""
+    stmt = (update(tasks).where(tasks.c.run_id == run_id, tasks.c.claim_token.is_not(None))
+            .values(claim_token=None, claimed_by=None, claimed_until=None))
+    return conn.execute(stmt).rowcount
+
+
 def split_tasks(conn: Connection, run_id: int, split: str) -> list[Claimed]:
     stmt = (select(tasks.c.id, tasks.c.prompt, tasks.c.answer, tasks.c.payload)
             .where(tasks.c.run_id == run_id, tasks.c.split == split).order_by(tasks.c.id))

@@ -45,6 +45,8 @@ class Context:
     patience: Patience
     stop: threading.Event
     version: Callable[[], int]   # the policy version the trainer holds
+    # a colocated run's explorer: one round explored in this process; whether it explored
+    refill: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -163,6 +165,8 @@ class ExplorerFeed(Feed):
         """Whole groups no staler than allowed; None if a stop came while waiting."""
         config, store = self.context.config, self.context.store
         floor = self.context.version() - config.staleness
+        if self.context.refill is not None:
+            return self._lease_here(groups, floor)
         lease = lambda: store.lease(  # noqa: E731
             config.run.name, groups=groups, min_policy_version=floor, timeout_s=LEASE_POLL_S)
         # a lease lost with the connection is handed back before the next try
@@ -171,6 +175,24 @@ class ExplorerFeed(Feed):
                                           store.release_runs(config.run.name)),
             lambda waited: f"no batch of {groups} groups (version >= {floor}) came in {waited}; "
             "is an explorer running (`reservoir explore CONFIG`)?")
+
+
+    def _lease_here(self, groups: int, floor: int):
+        """A colocated run's lease: explore rounds in this process until the batch is ready
+        (pipelines may drop some of a round, dynamic sampling sets flat groups aside)."""
+        config, store, context = self.context.config, self.context.store, self.context
+        while not context.stop.is_set():
+            explored = context.refill()
+            try:
+                return context.patience(lambda: store.lease(
+                    config.run.name, groups=groups, min_policy_version=floor, timeout_s=0),
+                    "trainer lease")
+            except FlowControlTimeout as exc:
+                if not explored:
+                    raise FlowControlTimeout(
+                        f"no batch of {groups} groups (version >= {floor}) and no task left "
+                        f"to explore: {exc}") from None
+        return None
 
 
 class TaskFeed(Feed):

@@ -15,6 +15,7 @@ together (the pool's commands), and the reference is a sharded copy (trainer/sha
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -102,12 +103,17 @@ class Learner:
     def evaluate(self, evaluate, *args):
         """`evaluate(model, tokenizer, *args)` on rank 0's policy in eval mode (every rank of
         a sharded policy enters it: its layers stay gathered while rank 0 generates)."""
-        self.model.eval()  # generate with the KV cache, not through checkpointed layers
+        with self.generating() as model:
+            return evaluate(model, self.tokenizer, *args) if evaluate else None
+
+    @contextmanager
+    def generating(self):
+        """The policy ready to generate until the block ends: in eval mode (the KV cache, not
+        checkpointed layers) and, when sharded, with every layer gathered."""
+        self.model.eval()
         try:
-            if not self.sharded:
-                return evaluate(self.model, self.tokenizer, *args)
-            with whole(self.model):
-                return evaluate(self.model, self.tokenizer, *args) if evaluate else None
+            with whole(self.model) if self.sharded else nullcontext():
+                yield self.model
         finally:
             self.model.train()
 

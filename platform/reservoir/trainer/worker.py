@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -49,6 +50,9 @@ NO_SIGNAL_WARN = 0.5    # warn when more groups than this carried no reward vari
 # held-out accuracy of (model, tokenizer) on (id, prompt, answer) tasks; the coordinator
 # supplies it (the trainer does not import the explorer, which owns engines and rewards)
 Evaluate = Callable[[object, object, list], float]
+# a colocated run's explorer, made from (config, learner, store, run id); the coordinator
+# supplies it too (reservoir.colocated.Colocated): a context manager with `refill()`
+Colocate = Callable[..., object]
 
 
 @dataclass
@@ -62,8 +66,10 @@ class RunSummary:
 
 class TrainerWorker:
     def __init__(self, config: ReservoirConfig, *, resume: bool = False,
-                 evaluate: Evaluate | None = None, console: Console | None = None) -> None:
+                 evaluate: Evaluate | None = None, console: Console | None = None,
+                 colocate: Colocate | None = None) -> None:
         self.config, self.resume, self.evaluate = config, resume, evaluate
+        self.colocate, self.here = colocate, None
         self.console = console or Console(stderr=True)
         self.summary = RunSummary(config.run.name)
         self.patience = Patience(config.store.outage_patience_s, say=lambda line:
@@ -90,7 +96,8 @@ class TrainerWorker:
             self._check_can_start()
             try:
                 self._set_status("running")
-                with TrainerPool(self.config, self.learner) as self.pool:
+                with TrainerPool(self.config, self.learner) as self.pool, \
+                        self._colocated() as self.here:
                     first, committed = self._resume() if self.resume else self._start()
                     self._train(first, committed)
             except KeyboardInterrupt:
@@ -100,6 +107,12 @@ class TrainerWorker:
                 raise
             self._finish()
         return self.summary
+
+    def _colocated(self):
+        """A colocated run's explorer in this process (closed with the run), else nothing."""
+        if self.colocate is None:
+            return nullcontext()
+        return self.colocate(self.config, self.learner, self.store, self.run_id)
 
     def _check_can_start(self) -> None:
         with self.store.engine.connect() as conn:
@@ -177,7 +190,8 @@ class TrainerWorker:
     def _train(self, first: int, committed: int) -> None:
         context = Context(self.config, self.store, self.run_id, self.learner.tokenizer,
                           self.learner.device, self.patience, self._stop,
-                          lambda: self.summary.version)
+                          lambda: self.summary.version,
+                          self.here.refill if self.here is not None else None)
         for stage in self.plan:
             if stage.last_step < first:
                 continue
@@ -303,8 +317,12 @@ class TrainerWorker:
                 return
         version = 0 if self.version is None else self.summary.version + 1
         untouched = version == 0 and step == 0 and self.config.branch is None
-        location = (str(self.config.model.path) if untouched
-                    else str(self.pool.publish(self._weights_path(version))))
+        if untouched:
+            location = str(self.config.model.path)
+        elif self.here is not None:  # its explorer generates with these very weights
+            location = None
+        else:
+            location = str(self.pool.publish(self._weights_path(version)))
         self.patience(lambda: self.store.publish_version(self.config.run.name, version,
                                                          location=location, train_step=step),
                       f"publishing version {version}")
