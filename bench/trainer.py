@@ -2,7 +2,7 @@
 
 What is compared (trained response tokens/s, and the ratio; median of repeats):
 
-(a) step: `Learner.train` (the trainer's own step: make_batch from leased rows, chunked token
+(a) step: `Learner.train` (the trainer's own step, padded as the bare loop is: make_batch from leased rows, chunked token
     logprobs, GRPO advantages, clipped token-mean loss, micro-batches, gradient clipping, AdamW)
     against a bare torch loop that does the same forward, backward and optimizer step on the
     same batches with the model's full logits and log_softmax. Target >= 0.9.
@@ -14,6 +14,9 @@ What is compared (trained response tokens/s, and the ratio; median of repeats):
 (d) PPO epochs: algorithm epochs 4 (x 2 mini-batches) against 1: tokens of the batch per
     second (each of the 4 passes trains them again, plus one no-grad pass for the logprobs
     the batch starts from).
+(f) packing: trainer.packing (rows back to back, micro-batches of micro_batch_tokens) against
+    padded micro-batches of --micro-batch rows, on groups whose response lengths are drawn
+    from 4 to 256 tokens; the first step's losses side by side (equal to ~1e-6).
 (e) sharding: trainer.sharding fsdp2 at 2 ranks against the unsharded 2-rank pool: what rank 0
     holds after a step (parameters, gradients, AdamW moments: its shards, or everything) and
     tokens/s. Each repeat starts both pools afresh (one process has one process group), the
@@ -77,18 +80,22 @@ def widen_vocabulary(path: Path, vocab: int) -> None:
     model.save_pretrained(path)
 
 
-def synthetic_groups(run: str, args, vocab: int) -> list[list[Experience]]:
-    """Seeded groups of n rows with rewards that differ inside each group."""
+def synthetic_groups(run: str, args, vocab: int,
+                     responses: tuple[int, int] | None = None) -> list[list[Experience]]:
+    """Seeded groups of n rows with rewards that differ inside each group; responses of
+    --response tokens, or of lengths drawn from `responses` (low, high) row by row."""
     rng = np.random.default_rng(0)
     groups = []
     for _ in range(args.groups * (args.steps + 1)):
         prompt = rng.integers(10, vocab, args.prompt)
         rewards = rng.permutation(np.arange(args.n) % 2).astype(float)
+        lengths = (rng.integers(responses[0], responses[1] + 1, args.n) if responses
+                   else [args.response] * args.n)
         groups.append([Experience(
             run=run, prompt_text="p", response_text="r", prompt_ids=prompt,
-            response_ids=rng.integers(10, vocab, args.response), reward=float(reward),
-            logprobs=-rng.random(args.response).astype(np.float32) - 1.0)
-            for reward in rewards])
+            response_ids=rng.integers(10, vocab, length), reward=float(reward),
+            logprobs=-rng.random(length).astype(np.float32) - 1.0)
+            for reward, length in zip(rewards, lengths)])
     return groups
 
 
@@ -284,9 +291,10 @@ def variants_bench(sides: dict, rows: list, args, threads: int) -> dict[str, lis
 
     for name in learners:
         torch.set_num_threads(threads)
-        timed(steps(name, rows[:1]))
-        console.print(f"{name}: trainer state {state_bytes(learners[name]) / 2**20:,.1f} MiB "
-                      "(parameters + gradients + AdamW moments)", highlight=False)
+        loss = timed(steps(name, rows[:1]))[1][0]
+        console.print(f"{name}: first-step loss {loss:.7f}; trainer state "
+                      f"{state_bytes(learners[name]) / 2**20:,.1f} MiB (parameters + gradients "
+                      "+ AdamW moments)", highlight=False)
     sizes = {name: state_bytes(learner) for name, learner in learners.items()}
     return alternate({name: partial(steps, name, rows[1:]) for name in learners}, args.repeat,
                      dict.fromkeys(learners, threads)), sizes
@@ -320,7 +328,7 @@ def parse_args():
     parser.add_argument("--shape", choices=["tiny", "qwen0.5b"], default="tiny",
                         help="qwen0.5b: Qwen2.5-0.5B's widths (896 wide, 14 heads of 64, 2 KV "
                         "heads, MLP 4864, vocabulary 151,936) with --layers layers")
-    parser.add_argument("--only", default="abcde", help="which comparisons to run, e.g. cde")
+    parser.add_argument("--only", default="abcdef", help="which comparisons to run, e.g. cde")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--db-url", default=None, help="default: the embedded server")
     return parser.parse_args()
@@ -343,7 +351,8 @@ def main() -> None:
     config = parse_config({
         "run": {"name": run}, "model": {"path": str(model)}, "explorer": {"n": args.n},
         "trainer": {"batch_groups": args.groups, "micro_batch": args.micro_batch, "lr": 1e-4,
-                    "workers": 2, "device": "cpu", "checkpoint_dir": str(scratch / "ck")},
+                    "workers": 2, "device": "cpu", "checkpoint_dir": str(scratch / "ck"),
+                    "packing": False},
         "store": {"url": args.db_url}})
     store = Store.open(config, migrate=True, quiet=True)
     try:
@@ -386,9 +395,20 @@ def main() -> None:
             lines += [report("(e) fsdp2 against the unsharded pool (2 ranks), tokens/s", rates,
                              " (fsdp2 / pool)"),
                       state_line("(e) rank 0's state after a step", sizes)]
+        if "f" in args.only:
+            mixed = f"{run}-mixed"
+            store.create_run(mixed, group_size=args.n)
+            store.write_groups(synthetic_groups(mixed, args, tokenizer.vocab_size, (4, 256)))
+            rows = [sorted(store.lease(mixed, groups=args.groups).rows, key=lambda row: row.id)
+                    for _ in range(args.steps + 1)]
+            sides = {"packed": with_trainer(config, packing=True), "padded": config}
+            lines.append(report("(f) packed against padded micro-batches, responses of 4-256 "
+                                "tokens, tokens/s", variants_bench(sides, rows, args, threads)[0],
+                                " (packed / padded, target >= 1.5)"))
     finally:
         with store.engine.begin() as conn:
             delete_run(conn, run)
+            delete_run(conn, f"{run}-mixed")
         store.close()
     for line in lines:
         print(f"trainer: {line}")

@@ -463,7 +463,14 @@ class TrainerConfig(Section):
                                     "target_modules}; unset: full fine-tuning")
     lr: Number = number(1e-3, gt=0, le=1)
     batch_groups: Count = count(8, 1, 100_000)
-    micro_batch: Count = count(16, 1, 1_000_000)
+    micro_batch: Count = count(16, 1, 1_000_000, "rows per micro-batch when packing is off "
+                               "(and per preference micro-batch)")
+    packing: bool = Field(default=True, description="micro-batches are their rows' tokens back "
+                          "to back without padding (position ids restart per row, attention "
+                          "stays within each row), sized by micro_batch_tokens; false: rows "
+                          "padded to the batch's longest, micro_batch rows at a time")
+    micro_batch_tokens: Count = count(4096, 1, 100_000_000, "tokens per packed micro-batch "
+                                      "(a longer row goes alone)")
     sync_interval: Count = count(1, 1, 1_000_000)
     steps: Count = count(50, 1, 100_000_000)
     eval_interval: Count = count(10, 1, 100_000_000)

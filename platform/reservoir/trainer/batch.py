@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from reservoir.store import LeasedExperience
+from reservoir.trainer.packing import packable
 
 
 @dataclass
@@ -39,6 +40,10 @@ class TrainBatch:
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.input_ids, self.attention_mask, self.mask, self.old_logprobs, self.rewards,
                 self.group_index)
+
+    def lengths(self) -> list[int]:
+        """Each row's tokens, prompt and response (its padding not counted)."""
+        return self.attention_mask.sum(1).tolist()
 
     def rows(self, index: slice | torch.Tensor) -> "TrainBatch":
         """The rows of a slice or of a tensor of row indices."""
@@ -80,44 +85,92 @@ def make_batch(rows: Sequence[LeasedExperience], pad_id: int,
 
 
 def token_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
-                   chunk: int = 1024, entropy: bool = False):
+                   chunk: int = 1024, entropy: bool = False, packed: bool = False):
     """log p(token t+1 | tokens <= t) under `model`, [B, L - 1], in float32, `chunk` positions
     through the output layer at a time; with `entropy`, (logprobs, entropy of each position's
-    distribution)."""
+    distribution). `packed`: the rows' tokens go through the model back to back as one
+    sequence without padding (`packed_logprobs`); the result has the same shape."""
+    if packed:
+        return packed_logprobs(model, batch, temperature, chunk=chunk, entropy=entropy)
     head = model.get_output_embeddings()
     targets = batch.input_ids[:, 1:]
     logits_bytes = targets.numel() * head.weight.shape[0] * 4
     if logits_bytes <= CHUNK_ABOVE_BYTES or \
             any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):
         return full_logprobs(model, batch, temperature, entropy=entropy)
-    hidden = model.get_decoder()(input_ids=batch.input_ids,
-                                 attention_mask=batch.attention_mask).last_hidden_state
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 use_cache=False).last_hidden_state
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    flat = targets.reshape(-1)
+    logprobs, entropies = _head_logprobs(head, hidden, targets.reshape(-1), temperature, chunk,
+                                         entropy)
+    if not entropy:
+        return logprobs.view_as(targets)
+    return logprobs.view_as(targets), entropies.view_as(targets)
+
+
+def _head_logprobs(head, hidden: torch.Tensor, flat: torch.Tensor, temperature: float,
+                   chunk: int, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of `flat` targets (and entropies, else an empty tensor) from hidden states
+    [N, H]: in one pass when the logits are small, else `chunk` rows through the output layer
+    at a time, each recomputed in the backward pass."""
+    if flat.shape[0] * head.weight.shape[0] * 4 <= CHUNK_ABOVE_BYTES:
+        return _chunk_logprobs(head, hidden, flat, temperature, entropy)
     keep = torch.is_grad_enabled() and hidden.requires_grad
     parts = []
     for start in range(0, flat.shape[0], chunk):
-        args = (head, hidden[start:start + chunk], flat[start:start + chunk], temperature)
+        args = (head, hidden[start:start + chunk], flat[start:start + chunk], temperature,
+                entropy)
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if keep
                      else _chunk_logprobs(*args))
-    logprobs = torch.cat([lp for lp, _ in parts]).view_as(targets)
+    return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+
+
+def packed_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
+                    chunk: int = 1024, entropy: bool = False):
+    """`token_logprobs` with the rows packed: their real tokens back to back as one sequence
+    [1, T], position ids restarting at each row, attention within each row (trainer/packing.py:
+    sdpa per row, or flash-attention's variable-length kernel). No position is padding; the
+    output layer sees only positions whose next token is the same row's. Models whose logits are
+    more than the output layer's product go through their own forward, on the same packing."""
+    real = batch.attention_mask.bool()
+    lengths = real.sum(1)
+    flat = batch.input_ids[real]
+    positions = torch.cat([torch.arange(int(n), device=flat.device) for n in lengths])
+    ends = lengths.cumsum(0) - 1
+    sources = torch.ones_like(flat, dtype=torch.bool)
+    sources[ends] = False  # a row's last token predicts nothing of its own row
+    targets = flat.roll(-1)[sources]
+    packed = packable(model) | {"input_ids": flat[None], "position_ids": positions[None],
+                                "packed_lengths": lengths.tolist(), "use_cache": False}
+    if any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):
+        logits = model(**packed).logits[0][sources]
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        logprobs, entropies = logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    else:
+        hidden = model.get_decoder()(**packed).last_hidden_state[0][sources]
+        logprobs, entropies = _head_logprobs(model.get_output_embeddings(), hidden, targets,
+                                             temperature, chunk, entropy)
+    valid = real[:, 1:]  # (row, t) with a next token in the row: the same order as `sources`
+    shaped = logprobs.new_zeros(valid.shape).masked_scatter(valid, logprobs)
     if not entropy:
-        return logprobs
-    return logprobs, torch.cat([ent for _, ent in parts]).view_as(targets)
+        return shaped
+    return shaped, entropies.new_zeros(valid.shape).masked_scatter(valid, entropies)
 
 
-def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    entropies = -(logp.exp() * logp).sum(-1) if entropy else logp.new_empty(0)
+    return logp.gather(-1, targets[:, None])[:, 0], entropies
 
 
 def full_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
                   entropy: bool = False):
     """The same as `token_logprobs` through the vocabulary-wide `log_softmax` (the reference
     the chunked form is tested and benchmarked against)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   use_cache=False).logits
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     logprobs = logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
     return (logprobs, -(logp.exp() * logp).sum(-1)) if entropy else logprobs

@@ -182,7 +182,9 @@ class Learner:
             raise RuntimeError(f"step {step} is in stage {stage.name!r}, the learner is in "
                                f"{getattr(self.stage, 'name', None)!r}")
         trainer, algorithm = self.config.trainer, stage.algorithm
-        precision = Precision(dtype=trainer.dtype, chunk=trainer.logprob_chunk)
+        precision = Precision(dtype=trainer.dtype, chunk=trainer.logprob_chunk,
+                              packed_tokens=trainer.micro_batch_tokens if trainer.packing
+                              else None)
         if algorithm.preference_loss is not None:
             return preference_step(self.model, self.optimizer, batch, algorithm,
                                    reference=self.reference, micro_batch=trainer.micro_batch,

@@ -32,9 +32,9 @@ def log_ratios(model, reference, part: TrainBatch, precision: Precision) -> torc
     """Per row: sum over trained tokens of log pi - log pi_ref."""
     device = part.input_ids.device
     with autocast(device, precision.dtype):
-        logprobs = token_logprobs(model, part, chunk=precision.chunk)
+        logprobs = token_logprobs(model, part, chunk=precision.chunk, packed=precision.packed)
     with torch.no_grad(), autocast(device, precision.dtype), running(reference) as frozen:
-        ref = token_logprobs(frozen, part, chunk=precision.chunk)
+        ref = token_logprobs(frozen, part, chunk=precision.chunk, packed=precision.packed)
     return ((logprobs - ref) * part.mask).sum(-1)
 
 

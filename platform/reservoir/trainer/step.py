@@ -43,13 +43,17 @@ class Ranks:
     def share(self, rows: int) -> slice:
         return slice(rows * self.rank // self.world, rows * (self.rank + 1) // self.world)
 
-    def micro_batches(self, rows: int, micro_batch: int, lockstep: bool
+    def micro_batches(self, rows: int, micro_batch: int, lockstep: bool,
+                      lengths: list[int] | None = None, tokens: int | None = None
                       ) -> list[tuple[slice, bool]]:
         """This rank's micro-batches of its share of `rows`, each with whether it counts. In
         lockstep (a sharded policy) every rank runs as many as the largest share needs, its
         share cut into that many nearly equal parts; a part left empty runs row 0 and does
-        not count (weight 0)."""
+        not count (weight 0). With `tokens` (packed micro-batches, not in lockstep) each is
+        as many consecutive rows as fit in `tokens` of their `lengths` (one at least)."""
         share = self.share(rows)
+        if tokens is not None and not lockstep:
+            return [(part, True) for part in token_slices(lengths, share, tokens)]
         if not lockstep:
             return [(slice(start, min(start + micro_batch, share.stop)), True)
                     for start in range(share.start, share.stop, micro_batch)]
@@ -63,10 +67,39 @@ class Ranks:
 ONE = Ranks()
 
 
+def token_slices(lengths: list[int], rows: slice, tokens: int) -> list[slice]:
+    """`rows` cut into runs of consecutive rows whose lengths sum to at most `tokens` (a row
+    longer than that alone)."""
+    parts, start, total = [], rows.start, 0
+    for row in range(rows.start, rows.stop):
+        if row > start and total + lengths[row] > tokens:
+            parts.append(slice(start, row))
+            start, total = row, 0
+        total += lengths[row]
+    if rows.stop > start:
+        parts.append(slice(start, rows.stop))
+    return parts
+
+
 @dataclass(frozen=True)
 class Precision:
+    """How a step computes: its dtype, the output layer's chunk, and packing."""
+
     dtype: str = "float32"       # compute dtype (autocast); weights stay float32
     chunk: int = 1024            # positions per chunk of the output layer
+    packed_tokens: int | None = None  # packed micro-batches of at most this many tokens;
+                                      # None: padded micro-batches of micro_batch rows
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_tokens is not None
+
+    def micro_slices(self, batch: TrainBatch, micro_batch: int) -> list[slice]:
+        """The batch's micro-batches for a pass without gradients."""
+        if self.packed_tokens is None:
+            return [slice(start, start + micro_batch) for start in range(0, len(batch),
+                                                                         micro_batch)]
+        return token_slices(batch.lengths(), slice(0, len(batch)), self.packed_tokens)
 
 
 @dataclass
@@ -146,7 +179,9 @@ def _update(stepped: list[tuple], batch: TrainBatch, index: torch.Tensor, prepar
         raise ConfigError(f"an update of {total_rows} rows leaves trainer rank {ranks.rank} of "
                           f"{ranks.world} without rows: fewer trainer.workers or "
                           "trainer.algorithm.mini_batches, or larger batches")
-    for rows, counts in ranks.micro_batches(total_rows, micro_batch, is_sharded(model)):
+    lengths = mini.lengths() if precision.packed_tokens is not None else None
+    for rows, counts in ranks.micro_batches(total_rows, micro_batch, is_sharded(model),
+                                            lengths, precision.packed_tokens):
         part, at = mini.rows(rows), index[rows].to(prepared.advantages.device)
         weight = (float(part.mask.sum()) / total_tokens if algorithm.aggregation == "token-mean"
                   else len(part) / total_rows) if counts else 0.0
@@ -241,9 +276,9 @@ def _prepare(batch: TrainBatch, algorithm: Algorithm, reference, critic, tempera
 def _no_grad_logprobs(model, batch: TrainBatch, temperature: float, precision: Precision,
                       micro_batch: int) -> torch.Tensor:
     with torch.no_grad(), autocast(batch.input_ids.device, precision.dtype):
-        return torch.cat([token_logprobs(model, batch.rows(slice(start, start + micro_batch)),
-                                         temperature, chunk=precision.chunk)
-                          for start in range(0, len(batch), micro_batch)])
+        return torch.cat([token_logprobs(model, batch.rows(rows), temperature,
+                                         chunk=precision.chunk, packed=precision.packed)
+                          for rows in precision.micro_slices(batch, micro_batch)])
 
 
 def _micro_batch_loss(model, part: TrainBatch, rows: torch.Tensor | slice,
@@ -254,7 +289,7 @@ def _micro_batch_loss(model, part: TrainBatch, rows: torch.Tensor | slice,
     device = part.input_ids.device
     with autocast(device, precision.dtype):
         out = token_logprobs(model, part, temperature, chunk=precision.chunk,
-                             entropy=algorithm.entropy_coef > 0)
+                             entropy=algorithm.entropy_coef > 0, packed=precision.packed)
     logprobs, entropy = out if algorithm.entropy_coef > 0 else (out, None)
     advantages = prepared.advantages[rows]
     own = logprobs.detach() if prepared.start is None else prepared.start[rows]
@@ -273,7 +308,8 @@ def _micro_batch_loss(model, part: TrainBatch, rows: torch.Tensor | slice,
     parts |= policy
     if algorithm.kl_coef > 0 and algorithm.kl_in == "loss":
         with torch.no_grad(), autocast(device, precision.dtype), running(reference) as frozen:
-            ref_logprobs = token_logprobs(frozen, part, temperature, chunk=precision.chunk)
+            ref_logprobs = token_logprobs(frozen, part, temperature, chunk=precision.chunk,
+                                          packed=precision.packed)
         kl = aggregate(KL_ESTIMATORS.get(algorithm.kl_estimator)(logprobs, ref_logprobs),
                        part.mask, algorithm.aggregation)
         loss = loss + algorithm.kl_coef * kl

@@ -1,0 +1,97 @@
+"""Packed micro-batches (trainer.packing): rows back to back without padding give the padded
+path's logprobs, loss and gradients, whatever the micro-batches' token budget."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import reservoir.trainer.batch as batch_module
+from reservoir.models import build_tiny_model, load_model
+from reservoir.trainer.batch import TrainBatch, full_logprobs, packed_logprobs
+from reservoir.trainer.step import PRESETS, Precision, token_slices, train_step
+
+pytestmark = pytest.mark.store_agnostic  # no store: CI runs it once
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model, _ = load_model(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=0))
+    return model
+
+
+def mixed_batch(vocab: int, rows: int = 12, seed: int = 0) -> TrainBatch:
+    """Groups of 4; prompts of 5-14 tokens, responses of 1-60 (one row 60 long, one 1 long):
+    right-padded to the longest, with engine logprobs near the policy's."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(5, 15, (rows,), generator=generator)
+    responses = torch.randint(1, 61, (rows,), generator=generator)
+    responses[0], responses[1] = 60, 1
+    lengths = prompts + responses
+    width = int(lengths.max())
+    attention = (torch.arange(width)[None] < lengths[:, None]).long()
+    ids = torch.randint(6, vocab, (rows, width), generator=generator) * attention
+    mask = torch.zeros(rows, width - 1)
+    for i in range(rows):
+        mask[i, int(prompts[i]) - 1:int(lengths[i]) - 1] = 1
+    old = torch.where(mask.bool(), -torch.rand(rows, width - 1, generator=generator) * 3,
+                      torch.tensor(float("nan")))
+    return TrainBatch(ids, attention, mask, old, torch.rand(rows, generator=generator),
+                      torch.arange(rows) // 4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_packed_logprobs_and_entropy_equal_the_padded_ones(tiny, temperature, chunked,
+                                                           monkeypatch):
+    if chunked:  # the output layer chunk by chunk, as for logits past CHUNK_ABOVE_BYTES
+        monkeypatch.setattr(batch_module, "CHUNK_ABOVE_BYTES", 0)
+    batch = mixed_batch(tiny.config.vocab_size)
+    padded, padded_entropy = full_logprobs(tiny, batch, temperature, entropy=True)
+    packed, packed_entropy = packed_logprobs(tiny, batch, temperature, chunk=17, entropy=True)
+    real = batch.attention_mask[:, 1:].bool()  # positions whose next token is the row's
+    torch.testing.assert_close(packed[real], padded[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_entropy[real], padded_entropy[real], atol=1e-5, rtol=0)
+    assert (packed[~real] == 0).all() and packed.shape == padded.shape
+
+
+def test_a_packed_sequence_does_not_see_the_row_before_it(tiny):
+    """A row's logprobs are the same alone as after any other row in the pack."""
+    batch = mixed_batch(tiny.config.vocab_size)
+    alone = packed_logprobs(tiny, batch.rows(slice(3, 4)))
+    after = packed_logprobs(tiny, batch.rows(slice(0, 4)))[3:4, :alone.shape[1]]
+    torch.testing.assert_close(after, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "grpo-entropy", "dr-grpo"])
+@pytest.mark.parametrize("tokens", [1, 90, 250, 100_000])
+def test_a_packed_step_gives_the_padded_step_s_loss_and_gradients(tiny, preset, tokens):
+    """Mixed lengths, micro-batches cut by tokens (1: a row each; 100 000: all in one):
+    the loss, metrics and every gradient equal the padded step's to 1e-5."""
+    algorithm = (dataclasses.replace(PRESETS["grpo"], entropy_coef=0.01)
+                 if preset == "grpo-entropy" else PRESETS[preset])
+    batch = mixed_batch(tiny.config.vocab_size)
+    results = {}
+    for name, precision, micro in (("padded", Precision(), 5),
+                                   ("packed", Precision(packed_tokens=tokens), 5)):
+        model = copy.deepcopy(tiny)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the gradients stay readable
+        metrics = train_step(model, optimizer, batch, algorithm, micro_batch=micro,
+                             precision=precision, max_grad_norm=None)
+        results[name] = metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
+    (padded, padded_grads), (packed, packed_grads) = results["padded"], results["packed"]
+    assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-5)
+    for name in ("policy/clip_fraction", "entropy"):  # token means: the same for any cut
+        if name in padded and algorithm.aggregation == "token-mean":
+            assert packed[name] == pytest.approx(padded[name], abs=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_token_slices_fill_each_micro_batch_up_to_its_budget():
+    lengths = [5, 5, 5, 20, 3, 3]
+    assert token_slices(lengths, slice(0, 6), 10) == [slice(0, 2), slice(2, 3), slice(3, 4),
+                                                      slice(4, 6)]
+    assert token_slices(lengths, slice(1, 4), 100) == [slice(1, 4)]
+    assert token_slices(lengths, slice(2, 2), 10) == []
