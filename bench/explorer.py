@@ -69,7 +69,7 @@ def reservoir_generate(engine, prompts, n, max_tokens, temperature) -> int:
 def workflow_generate(engine, prompts, n, max_tokens, temperature) -> int:
     """What an explorer round does: the single_turn workflow over the prompts as tasks, a
     thread each, their generation batched (Batcher), each sample scored into an Experience."""
-    with Batcher(engine) as batcher:
+    with Batcher(engine, inline=True) as batcher:
         groups = explore(make_workflow("single_turn"), [Task(None, p, "") for p in prompts],
                          batcher, Sampling(n, temperature, max_tokens), run="bench", version=0,
                          reward="exact_match")

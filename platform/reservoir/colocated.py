@@ -27,7 +27,7 @@ class Colocated:
         self.explorer = ExplorerWorker(config, shared=True)
         self.stats = ExplorerStats(self.explorer.name)
         self.engine = TransformersEngine.of(learner.model, learner.tokenizer)
-        self.batcher = Batcher(self.engine)
+        self.batcher = Batcher(self.engine, inline=True)
         self.streams = [PipelineWorker(config, path, [config.run.name])
                         for path in config.pipelines]
         with store.engine.begin() as conn:  # a dead attempt's claims (it was the only explorer)

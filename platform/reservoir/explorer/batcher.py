@@ -8,12 +8,17 @@ engine as one call, sorted by the callers' `order` keys: the batch's make-up and
 its samples under a seed, do not depend on thread timing. Callers that never registered (the
 HTTP server's requests) go with whatever is waiting when the engine is free.
 
-Only the batcher's thread touches the engine, so engines need not be thread-safe. It runs
-with the torch thread count of the thread that made it: a new thread would otherwise compute
-with the OpenMP default, which OMP_NUM_THREADS sets (Ray sets 1 in its workers) whatever
-`torch.set_num_threads` said elsewhere, and `torch.get_num_threads()` would not show it; `exclusive`
-holds it between batches (to load new weights) and sets the `tag` (the policy version) that
-`generate_tagged` reports with each batch's samples.
+Only one thread touches the engine, so engines need not be thread-safe. An `inline` batcher
+has no thread of its own: `explore` answers its batches on the thread that explores (the
+explorer's, or a colocated trainer's), so every torch computation of a process stays on one
+thread. Torch on a second thread runs ~30 % slower on a CPU: each thread has its own OpenMP
+team, and the idle team's spinning workers take cores from the busy one. A threaded batcher
+(the HTTP server's, whose callers come and go) runs with the torch thread count of the thread
+that made it: a new thread would otherwise compute with the OpenMP default, which
+OMP_NUM_THREADS sets (Ray sets 1 in its workers) whatever `torch.set_num_threads` said
+elsewhere, and `torch.get_num_threads()` would not show it; `exclusive` holds it between
+batches (to load new weights) and sets the `tag` (the policy version) that `generate_tagged`
+reports with each batch's samples.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -39,8 +44,8 @@ class _Job:
 
 
 class Batcher:
-    def __init__(self, engine: Engine, *, max_wait_s: float = 0.5) -> None:
-        self.engine, self.max_wait_s = engine, max_wait_s
+    def __init__(self, engine: Engine, *, max_wait_s: float = 0.5, inline: bool = False) -> None:
+        self.engine, self.max_wait_s, self.inline = engine, max_wait_s, inline
         self._lock = threading.Condition()
         self._jobs: list[_Job] = []
         self._participants = 0
@@ -50,8 +55,10 @@ class Batcher:
         self._callers: ThreadPoolExecutor | None = None
         self._callers_size = 0
         self.tag = None
-        self._thread = threading.Thread(target=self._serve, name="batcher", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if not inline:
+            self._thread = threading.Thread(target=self._serve, name="batcher", daemon=True)
+            self._thread.start()
 
     def join(self, n: int = 1) -> None:
         """`n` more threads will call `generate`; each calls `leave` when it is done."""
@@ -108,7 +115,8 @@ class Batcher:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._callers is not None:
             self._callers.shutdown()
 
@@ -118,10 +126,27 @@ class Batcher:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _take(self) -> list[_Job] | None:
-        """The next batch once it is due; None when closed with nothing left."""
+    def serve_inline(self, futures: list[Future]) -> None:
+        """Answer batches on the calling thread until every one of `futures` (the workflows of
+        an inline batcher's round) is done; one waiting on something else meanwhile (`away`)
+        may generate again."""
+        for future in futures:
+            future.add_done_callback(lambda _: self._wake())
+        running = lambda: not all(future.done() for future in futures)  # noqa: E731
+        while (jobs := self._take(running)) is not None:
+            self._answer(jobs)
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _take(self, running: Callable[[], bool] | None = None) -> list[_Job] | None:
+        """The next batch once it is due; None when closed with nothing left (or, for an
+        inline round, when nothing waits and `running()` says the round is over)."""
         with self._lock:
             while True:
+                if running is not None and not self._jobs and not running():
+                    return None
                 if self._jobs:
                     waited = time.monotonic() - self._jobs[0].since
                     if self._closed or len(self._jobs) >= self._participants \
@@ -137,15 +162,19 @@ class Batcher:
     def _serve(self) -> None:
         torch.set_num_threads(self._threads)
         while (jobs := self._take()) is not None:
-            requests = [request for job in jobs for request in job.requests]
-            try:
-                with self._engine_lock:
-                    tag, samples = self.tag, self.engine.generate(requests)
-            except BaseException as exc:  # every caller of this batch sees the engine's error
-                for job in jobs:
-                    job.result.set_exception(exc)
-                continue
-            start = 0
+            self._answer(jobs)
+
+    def _answer(self, jobs: list[_Job]) -> None:
+        """One engine call for the jobs' requests; each job gets its share (or the error)."""
+        requests = [request for job in jobs for request in job.requests]
+        try:
+            with self._engine_lock:
+                tag, samples = self.tag, self.engine.generate(requests)
+        except BaseException as exc:  # every caller of this batch sees the engine's error
             for job in jobs:
-                job.result.set_result((samples[start:start + len(job.requests)], tag))
-                start += len(job.requests)
+                job.result.set_exception(exc)
+            return
+        start = 0
+        for job in jobs:
+            job.result.set_result((samples[start:start + len(job.requests)], tag))
+            start += len(job.requests)

@@ -18,7 +18,7 @@ def accuracy(engine: Engine, tasks: list[tuple], config: ReservoirConfig) -> flo
         return float("nan")
     explorer = config.explorer
     workflow = make_workflow(explorer.workflow, explorer.workflow_options)
-    with Batcher(engine) as batcher:
+    with Batcher(engine, inline=True) as batcher:
         groups = explore(workflow, [Task.of(row) for row in tasks], batcher,
                          Sampling(n=1, temperature=0, max_tokens=explorer.max_tokens),
                          run=config.run.name, version=0, reward=explorer.reward)

@@ -87,7 +87,7 @@ class ExplorerWorker:
         stats = ExplorerStats(self.name)
         engine = make_engine(self.config, seed=self.seed)
         patience = Patience(self.config.store.outage_patience_s, say=print)
-        with Store.open(self.config, quiet=True) as store, Batcher(engine) as batcher, \
+        with Store.open(self.config, quiet=True) as store, Batcher(engine, inline=True) as batcher, \
                 Listener(store.engine, POLICY_CHANNEL) as listener:
             with store.engine.connect() as conn:
                 run_id = run_id_of(conn, self.config.run.name)

@@ -133,6 +133,8 @@ def explore(workflow: Workflow, tasks: Sequence[Task], batcher: Batcher,
         chunk = tasks[start:start + MAX_THREADS]
         batcher.join(len(chunk))  # all of them before any starts: the first batch waits
         futures = [pool.submit(one, start + i, task) for i, task in enumerate(chunk)]
+        if batcher.inline:  # this thread runs the engine until every workflow has ended
+            batcher.serve_inline(futures)
         wait(futures)  # every one ends (and leaves the batcher) before the next chunk
         groups.extend(future.result() for future in futures)
     return groups
