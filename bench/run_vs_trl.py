@@ -13,6 +13,13 @@ batch reward each step trains on; with it, the batch holds only the groups whose
 so its reward is printed too but not compared. Needs the bench extra: pip install -e '.[bench]'.
 
     python bench/run_vs_trl.py [--tasks reverse|addition-facts --warmup-steps 300 --steps 60]
+
+`--tasks sparse` measures that sparse signal does not erode what the model knows: the warm-up
+teaches only single-digit addition (the known family), the RL tasks mix it (a quarter) with
+two-digit multiplication the tiny model never gets right (the unknown family), so nearly every
+group is flat. Each side then also prints each family's rollout reward per 25 steps.
+
+    python bench/run_vs_trl.py --tasks sparse --steps 200 --sides sync --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing from a hub
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -38,16 +46,20 @@ from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import trl_grpo  # noqa: E402
 from trl_grpo import run_trl  # noqa: E402
 
 from reservoir import pool  # noqa: E402
 from reservoir.config import parse_config  # noqa: E402
+from reservoir.explorer.engine import TransformersEngine  # noqa: E402
+from reservoir.explorer.evaluate import accuracy  # noqa: E402
 from reservoir.explorer.tasks import GENERATORS  # noqa: E402
 from reservoir.models import build_tiny_model, load_model  # noqa: E402
 from reservoir.store import Store  # noqa: E402
 from reservoir.trainer.sft import supervised  # noqa: E402
 
 SIDES = ("trl", "sync", "dynamic", "async")
+FAMILY_WINDOW = 25  # steps per mean of each task source's rollout reward
 
 
 @dataclass
@@ -60,6 +72,8 @@ class Outcome:
     samples: int                # responses sampled (set-aside groups included)
     zero_variance: float        # share of sampled groups whose rewards were all equal
     extra: dict = field(default_factory=dict)  # means of a few step metrics, for the notes
+    families: dict = field(default_factory=dict)  # task source -> per-step rollout reward
+    accuracy: float = float("nan")  # held-out accuracy at the end (greedy)
 
     def reached(self, level: float, window: int, series: list[float] | None = None) -> int | None:
         """The first step (1-based) whose trailing `window`-step mean is >= level (a side run
@@ -90,9 +104,42 @@ def addition_facts(repeats: int, *, seed: int = 0, test_fraction: float = 0.1) -
     return train + [row(a, b, "test") for a, b in sorted(held_out)]
 
 
+def sparse_split(rl_rows: int, *, known_share: float = 0.25, seed: int = 0) -> list[dict]:
+    """A known family the warm-up teaches and an unknown one it never sees. Train rows: first
+    the warm-up's (3/7 of `rl_rows`: the 100 single-digit facts 'a+b' in shuffled rounds, the
+    first 30 % of the train rows, which is what the bench's warm-up reads), then `rl_rows` RL
+    tasks in shuffled order, `known_share` of them those facts again (source 'known'), the
+    rest 'a*b' of two-digit numbers (source 'unknown': answered wrong, so flat groups); then
+    a few test rows of each."""
+    rng = random.Random(seed)
+    facts = [(a, b) for a in range(10) for b in range(10)]
+
+    def known(a: int, b: int, split: str = "train") -> dict:
+        return {"prompt": f"{a}+{b}", "answer": str(a + b), "split": split, "source": "known"}
+
+    def unknown(a: int, b: int, split: str = "train") -> dict:
+        return {"prompt": f"{a}*{b}", "answer": str(a * b), "split": split, "source": "unknown"}
+
+    warm_rows = rl_rows * 3 // 7
+    warm = []
+    while len(warm) < warm_rows:
+        warm += [known(a, b) for a, b in rng.sample(facts, len(facts))]
+    n_known = round(rl_rows * known_share)
+    products = rng.sample([(a, b) for a in range(10, 100) for b in range(10, 100)],
+                          rl_rows - n_known + 20)
+    rl = ([known(*rng.choice(facts)) for _ in range(n_known)]
+          + [unknown(a, b) for a, b in products[:rl_rows - n_known]])
+    rng.shuffle(rl)
+    test = [known(a, b, "test") for a, b in rng.sample(facts, 20)] + \
+        [unknown(a, b, "test") for a, b in products[rl_rows - n_known:]]
+    return warm[:warm_rows] + rl + test
+
+
 def task_set(args) -> list[dict]:
     if args.tasks == "reverse":
         return GENERATORS["reverse"](3000, seed=0, test_fraction=0.1)
+    if args.tasks == "sparse":
+        return sparse_split(3500)
     return addition_facts(max(8, math.ceil(args.steps * args.batch_groups / 63)))
 
 
@@ -116,6 +163,11 @@ STEPS = text("SELECT t.step, extract(epoch FROM t.created_at - s.created_at), t.
 GROUPS = text("SELECT e.policy_version, sum(e.reward), count(*), min(e.reward) = max(e.reward) "
               "FROM experiences e JOIN runs r ON r.id = e.run_id WHERE r.name = :run "
               "GROUP BY e.policy_version, e.group_id")
+# per policy version and task source: the mean reward of its responses
+FAMILIES = text("SELECT e.policy_version, coalesce(t.source, ''), avg(e.reward) "
+                "FROM experiences e JOIN runs r ON r.id = e.run_id "
+                "JOIN tasks t ON t.id = e.task_id WHERE r.name = :run "
+                "GROUP BY e.policy_version, t.source")
 
 
 def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) -> Outcome:
@@ -123,7 +175,8 @@ def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) 
     steps = args.dynamic_steps if side == "dynamic" and args.dynamic_steps else args.steps
     name = f"bench-{side}-{uuid.uuid4().hex[:6]}"
     config = parse_config({
-        "run": {"name": name, "mode": mode, "seed": 0}, "model": {"path": str(model)},
+        "run": {"name": name, "mode": mode, "seed": args.seed, "placement": args.placement},
+        "model": {"path": str(model)},
         "tasks": {"file": str(task_file)},
         "explorer": {"n": args.n, "batch_tasks": args.batch_groups, "max_tokens": args.max_tokens,
                      "temperature": 1.0, "workers": 1},
@@ -135,11 +188,16 @@ def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) 
                     "dynamic_sampling": side == "dynamic"},
         "store": {"url": args.db_url}})
     started = time.perf_counter()
-    pool.run(config, console=Console(quiet=True))
+    summary = pool.run(config, console=Console(quiet=True))
     wall_s = time.perf_counter() - started
     with Store.open(config, quiet=True, migrate=True) as store, store.engine.connect() as conn:
         step_rows = conn.execute(STEPS, {"run": name}).all()
         groups = conn.execute(GROUPS, {"run": name}).all()
+        by_family = conn.execute(FAMILIES, {"run": name}).all()
+    families: dict[str, list[float]] = {}
+    for version, source, reward in by_family:
+        if version < steps:
+            families.setdefault(source, [float("nan")] * steps)[version] = float(reward)
     metrics = [row[2] if isinstance(row[2], dict) else json.loads(row[2]) for row in step_rows]
     totals: dict[int, float] = {}
     counts: dict[int, int] = {}
@@ -154,24 +212,55 @@ def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) 
     return Outcome(f"reservoir {label}", [float(row[1]) for row in step_rows], rollout,
                    [float(m["reward_mean"]) for m in metrics], wall_s,
                    sum(count for _, _, count, _ in groups),
-                   float(np.mean([flat for *_, flat in groups])), extra)
+                   float(np.mean([flat for *_, flat in groups])), extra, families,
+                   summary.accuracy[-1][1])
 
 
-def run_trl_side(model: Path, train: list[dict], scratch: Path, args) -> Outcome:
+def run_trl_side(model: Path, train: list[dict], test: list[dict], scratch: Path,
+                 args) -> Outcome:
+    # each call of the reward (one per step: one generation a step) records each task
+    # source's mean reward, the prompt's source read from its text
+    source_of = {t["prompt"]: t.get("source") or "" for t in train}
+    calls: list[dict[str, float]] = []
+    scored = trl_grpo.exact_match
+
+    @functools.wraps(scored)
+    def recording(completions, answer, prompts=None, **kwargs):
+        rewards = scored(completions, answer, **kwargs)
+        per: dict[str, list[float]] = {}
+        for prompt, reward in zip(prompts, rewards):
+            per.setdefault(source_of.get(prompt[-1]["content"], ""), []).append(reward)
+        calls.append({source: float(np.mean(values)) for source, values in per.items()})
+        return rewards
+
     started = time.perf_counter()
-    result = run_trl(model, [t["prompt"] for t in train], [t["answer"] for t in train],
-                     n=args.n, batch_groups=args.batch_groups, lr=args.lr, temperature=1.0,
-                     max_tokens=args.max_tokens, steps=args.steps, seed=0,
-                     out_dir=scratch / "trl")
+    trl_grpo.exact_match = recording
+    try:
+        result = run_trl(model, [t["prompt"] for t in train], [t["answer"] for t in train],
+                         n=args.n, batch_groups=args.batch_groups, lr=args.lr,
+                         temperature=1.0, max_tokens=args.max_tokens, steps=args.steps,
+                         seed=args.seed, out_dir=scratch / "trl")
+    finally:
+        trl_grpo.exact_match = scored
+    wall_s = time.perf_counter() - started
     rewards = [reward for _, _, reward in result.curve]
+    families = {source: [call.get(source, float("nan")) for call in calls]
+                for source in dict.fromkeys(s for call in calls for s in call)}
+    tokenizer = load_model(model)[1]
+    scoring = parse_config({"tasks": {"generate": "reverse"},
+                            "explorer": {"max_tokens": args.max_tokens}})
+    held_out = accuracy(TransformersEngine.of(result.model.eval(), tokenizer),
+                        [(None, t["prompt"], t["answer"], {}) for t in test], scoring)
     return Outcome("trl GRPOTrainer", [s for s, _, _ in result.curve], rewards, rewards,
-                   time.perf_counter() - started, result.samples,
-                   float(np.mean(result.zero_std)) if result.zero_std else float("nan"))
+                   wall_s, result.samples,
+                   float(np.mean(result.zero_std)) if result.zero_std else float("nan"),
+                   families=families, accuracy=held_out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", choices=("reverse", "addition-facts"), default="reverse")
+    parser.add_argument("--tasks", choices=("reverse", "addition-facts", "sparse"),
+                        default="reverse")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--levels", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5])
     parser.add_argument("--window", type=int, default=10, help="steps in the trailing mean")
@@ -183,9 +272,18 @@ def main() -> None:
     parser.add_argument("--batch-groups", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=10)
     parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--warmup-steps", type=int, default=1500)
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="default 1500; 700 for sparse (the known family's sampled reward "
+                        "about 0.96, so some of its groups carry signal)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="seeds of the RL runs, each side once per seed (the start model "
+                        "is the same for every seed); the means follow")
+    parser.add_argument("--placement", choices=("split", "colocated"), default="colocated",
+                        help="run.placement of Reservoir's sides")
     parser.add_argument("--db-url", default=None, help="default: the embedded server")
     args = parser.parse_args()
+    if args.warmup_steps is None:
+        args.warmup_steps = 700 if args.tasks == "sparse" else 1500
     sides = ["trl"] + [side for side in SIDES[1:] if side in args.sides]  # TRL: the baseline
     console = Console()
     rows = task_set(args)
@@ -198,14 +296,21 @@ def main() -> None:
         task_file = scratch / "tasks.jsonl"
         task_file.write_text("".join(json.dumps(row) + "\n" for row in
                                      rl_tasks + [r for r in rows if r["split"] == "test"]))
-        header(console, args)
-        trl = None
-        for side in sides:
-            with console.status(f"{side}: {args.steps} steps"):
-                outcome = (run_trl_side(model, rl_tasks, scratch, args) if side == "trl"
-                           else run_reservoir(side, model, task_file, scratch, args))
-            trl = trl or outcome
-            report(console, outcome, trl, args)  # each side as it ends: a slow one loses none
+        test = [row for row in rows if row["split"] == "test"]
+        outcomes: dict[str, list[tuple[Outcome, Outcome]]] = {}
+        for seed in args.seeds:
+            args.seed = seed
+            header(console, args)
+            trl = None
+            for side in sides:
+                with console.status(f"seed {seed}, {side}: {args.steps} steps"):
+                    outcome = (run_trl_side(model, rl_tasks, test, scratch, args)
+                               if side == "trl"
+                               else run_reservoir(side, model, task_file, scratch, args))
+                trl = trl or outcome
+                report(console, outcome, trl, args)  # each side as it ends: none is lost
+                outcomes.setdefault(outcome.name, []).append((outcome, trl))
+        means(console, outcomes, args)
 
 
 def _say(console: Console, line: str) -> None:
@@ -214,10 +319,46 @@ def _say(console: Console, line: str) -> None:
 
 def header(console: Console, args) -> None:
     _say(console, f"# {args.tasks}, warm-up {args.warmup_steps} steps, {args.steps} RL steps of "
-         f"{args.batch_groups} groups x {args.n}, max_tokens {args.max_tokens}, lr {args.lr}")
+         f"{args.batch_groups} groups x {args.n}, max_tokens {args.max_tokens}, lr {args.lr}, "
+         f"seed {args.seed}")
     _say(console, f"# levels {' '.join(map(str, args.levels))}: the first step (and its seconds) at "
          f"which the trailing {args.window}-step mean ROLLOUT reward (every response of the "
          "policy after s-1 updates) reaches each; '-': never")
+
+
+def final_level(trl: Outcome, window: int) -> float:
+    """TRL's rollout reward at its end: the mean of its last `window` steps."""
+    return float(np.nanmean(trl.rollout[-window:]))
+
+
+def to_final_level(outcome: Outcome, trl: Outcome, window: int) -> tuple[float | None, float]:
+    """(seconds this side took to reach TRL's final rollout-reward level, None: never; the
+    seconds TRL took)."""
+    level = final_level(trl, window)
+    mine, theirs = outcome.reached(level, window), trl.reached(level, window)
+    return (None if mine is None else outcome.seconds[mine - 1]), trl.seconds[theirs - 1]
+
+
+def means(console: Console, outcomes: dict[str, list[tuple[Outcome, Outcome]]], args) -> None:
+    """Per side, over the seeds: samples/s, seconds to TRL's final rollout-reward level and
+    their ratio to TRL's, held-out accuracy at the end."""
+    window = args.window
+    _say(console, f"# means over seeds {' '.join(map(str, args.seeds))} ({args.tasks}; "
+         f"Reservoir {args.placement}): samples/s | seconds to TRL's final rollout-reward level "
+         f"(trailing {window}-step mean), ratio to TRL's | held-out accuracy at the end")
+    for name, pairs in outcomes.items():
+        rates = [o.samples / o.seconds[-1] for o, _ in pairs]
+        reached = [to_final_level(o, trl, window) for o, trl in pairs]
+        ratios = [mine / theirs for mine, theirs in reached if mine is not None]
+        seconds = [mine for mine, _ in reached if mine is not None]
+        late = len(reached) - len(ratios)
+        _say(console, f"{name:24} samples/s {np.mean(rates):7.0f} | to TRL's final level "
+             f"{np.mean(seconds) if seconds else float('nan'):6.1f} s, ratio "
+             f"{np.mean(ratios) if ratios else float('nan'):.2f} "
+             f"(per seed {' '.join(f'{r:.2f}' for r in ratios)}"
+             f"{f'; never in {late}' if late else ''}) | held-out accuracy "
+             f"{np.mean([o.accuracy for o, _ in pairs]):.3f} "
+             f"(per seed {' '.join(f'{o.accuracy:.2f}' for o, _ in pairs)})")
 
 
 def _cells(values) -> str:
@@ -243,6 +384,12 @@ def report(console: Console, outcome: Outcome, trl: Outcome, args) -> None:
          f"groups {outcome.zero_variance:.0%} | {outcome.samples} samples, "
          f"{outcome.samples / outcome.seconds[-1]:.0f}/s | training {outcome.seconds[-1]:.1f} s, "
          f"whole call {outcome.wall_s:.1f} s{' | ' + notes if notes else ''}")
+    shown = outcome.families if len(outcome.families) > 1 else {}
+    for source, series in sorted(shown.items()):
+        per = " ".join(f"{np.nanmean(series[i:i + FAMILY_WINDOW]):.2f}"
+                       for i in range(0, len(series), FAMILY_WINDOW))
+        _say(console, f"{outcome.name + ' ' + (source or '-') + ' per ' + str(FAMILY_WINDOW):42} "
+             f"{per}")
     if outcome is trl:
         return
     if len(outcome.rollout) < window:

@@ -52,6 +52,7 @@ class TrlResult:
     zero_std: list[float] = field(default_factory=list)  # per step: share of zero-std groups
     samples: int = 0
     wall_s: float = 0.0
+    model: object = None  # the trained policy
 
 
 class RewardCurve(TrainerCallback):
@@ -114,7 +115,8 @@ def run_trl(model_dir: Path, train_prompts: list[str], train_answers: list[str],
     trainer.train()
     wall_s = time.perf_counter() - started
     return TrlResult(curve=recorder.curve, zero_std=recorder.zero_std,
-                     samples=trainer.state.global_step * batch_groups * n, wall_s=wall_s)
+                     samples=trainer.state.global_step * batch_groups * n, wall_s=wall_s,
+                     model=trainer.model)
 
 
 def main() -> None:

@@ -95,3 +95,44 @@ def test_token_slices_fill_each_micro_batch_up_to_its_budget():
                                                       slice(4, 6)]
     assert token_slices(lengths, slice(1, 4), 100) == [slice(1, 4)]
     assert token_slices(lengths, slice(2, 2), 10) == []
+
+
+@pytest.mark.parametrize("packed", [None, 4096])
+def test_rows_without_signal_skip_the_model_and_change_nothing(tiny, packed):
+    """Groups whose rewards are all equal have advantage 0: their rows are not run through
+    the model, and the loss and the step (SGD, so the weights move by the gradient itself)
+    equal a plain torch step over every row (the token-mean divides by every row's tokens)."""
+    batch = mixed_batch(tiny.config.vocab_size)
+    batch.rewards[:4], batch.rewards[8:] = 1.0, 0.0  # groups 0 and 2 flat, group 1 not
+    model, plain = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics = train_step(model, optimizer, batch, PRESETS["grpo"], micro_batch=5,
+                         precision=Precision(packed_tokens=packed))
+    assert metrics["rows_without_signal"] == 8
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=1.0)
+    logprobs = full_logprobs(plain, batch)
+    rewards = batch.rewards.view(-1, 4)
+    advantages = ((rewards - rewards.mean(1, keepdim=True))
+                  / (rewards.std(1, unbiased=False, keepdim=True) + 1e-6)).view(-1, 1)
+    ratio = torch.exp(logprobs - torch.where(batch.mask.bool(), batch.old_logprobs, logprobs
+                                             ).detach())
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+    loss = -(surrogate * batch.mask).sum() / batch.mask.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    plain_optimizer.step()
+    assert metrics["loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
+    for (name, mine), (_, theirs) in zip(model.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_batch_without_signal_still_steps_the_optimizer_on_zero_gradients(tiny):
+    batch = mixed_batch(tiny.config.vocab_size)
+    batch.rewards[:] = 1.0
+    model = copy.deepcopy(tiny)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.5)
+    metrics = train_step(model, optimizer, batch, PRESETS["grpo"], micro_batch=5)
+    assert metrics["rows_without_signal"] == len(batch) and metrics["loss"] == 0.0
+    decayed = [name for (name, p), (_, q) in zip(model.named_parameters(), tiny.named_parameters())
+               if not torch.equal(p, q)]
+    assert decayed  # weight decay moved them, as a full pass with zero gradients would

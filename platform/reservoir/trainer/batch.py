@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from reservoir.store import LeasedExperience
@@ -41,6 +42,12 @@ class TrainBatch:
         return (self.input_ids, self.attention_mask, self.mask, self.old_logprobs, self.rewards,
                 self.group_index)
 
+    def columns(self, width: int) -> "TrainBatch":
+        """The first `width` positions of every row (the rest being padding)."""
+        return TrainBatch(self.input_ids[:, :width], self.attention_mask[:, :width],
+                          self.mask[:, :width - 1], self.old_logprobs[:, :width - 1],
+                          self.rewards, self.group_index)
+
     def lengths(self) -> list[int]:
         """Each row's tokens, prompt and response (its padding not counted)."""
         return self.attention_mask.sum(1).tolist()
@@ -54,6 +61,7 @@ class TrainBatch:
 
 
 CHUNK_ABOVE_BYTES = 1 << 30
+PAD_SHARE = 0.25  # packing pays when padding would be more than this share of the positions
 
 # config keys of models whose logits are more than the output layer's product (softcapping,
 # scaling): they go through the model's own forward
@@ -88,10 +96,19 @@ def token_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
                    chunk: int = 1024, entropy: bool = False, packed: bool = False):
     """log p(token t+1 | tokens <= t) under `model`, [B, L - 1], in float32, `chunk` positions
     through the output layer at a time; with `entropy`, (logprobs, entropy of each position's
-    distribution). `packed`: the rows' tokens go through the model back to back as one
-    sequence without padding (`packed_logprobs`); the result has the same shape."""
-    if packed:
+    distribution). Columns of padding only are not computed (zeros, as for any padding).
+    `packed`: the rows' tokens go through the model back to back as one sequence without
+    padding (`packed_logprobs`), where padding would be more than PAD_SHARE of the positions;
+    the result has the same shape."""
+    lengths = batch.attention_mask.sum(1)
+    width = int(lengths.max())
+    if packed and float(lengths.sum()) < (1 - PAD_SHARE) * len(batch) * width:
         return packed_logprobs(model, batch, temperature, chunk=chunk, entropy=entropy)
+    if width < batch.input_ids.shape[1]:
+        out = token_logprobs(model, batch.columns(width), temperature, chunk=chunk,
+                             entropy=entropy)
+        pad = batch.input_ids.shape[1] - width
+        return tuple(F.pad(part, (0, pad)) for part in out) if entropy else F.pad(out, (0, pad))
     head = model.get_output_embeddings()
     targets = batch.input_ids[:, 1:]
     logits_bytes = targets.numel() * head.weight.shape[0] * 4

@@ -3,15 +3,17 @@
 transformers' own packed path (position ids restarting at each sequence, no attention mask)
 builds a [T, T] block-diagonal mask for sdpa and eager attention: quadratic in the packed
 length, and slower than padding on a CPU. `reservoir_packed`, registered with transformers'
-attention interface, runs sdpa once per sequence with its causal kernel when a call is packed
-(the `packed_lengths` keyword), and is transformers' sdpa itself otherwise (generation, padded
-batches): a module set to it computes what sdpa computes everywhere. Where a model runs
+attention interface, runs sdpa's causal kernel over buckets of sequences of nearly equal
+length when a call is packed (the `packed_lengths` keyword): the projections, MLPs and output
+layer see no padding, attention only a little; it is transformers' sdpa itself otherwise
+(generation, padded batches): a module set to it computes what sdpa computes everywhere. Where a model runs
 flash-attention (`flash_attention_2` and later, on a GPU with the package installed), that
 kernel's variable-length path reads the packing from the position ids and is kept.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -25,26 +27,52 @@ FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 def packed_attention(module, query, key, value, attention_mask, *,
                      packed_lengths: list[int] | None = None, **kwargs):
-    """sdpa, one sequence at a time when the call is packed ([1, heads, T, dim] split at
-    `packed_lengths`); a sliding-window layer masks its band where a sequence outgrows it."""
+    """sdpa over packed sequences ([1, heads, T, dim] cut at `packed_lengths`): sequences of
+    nearly equal length go through one causal sdpa call together, right-padded to the
+    longest of them (a query attends only to keys before it, so padding is never attended,
+    and the padded queries' outputs are dropped); a sliding-window layer masks its band."""
     if packed_lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
     window = kwargs.get("sliding_window")
+    buckets, order = _buckets(tuple(packed_lengths), query.device)
     outputs = []
-    for q, k, v in zip(query.split(packed_lengths, 2), key.split(packed_lengths, 2),
-                       value.split(packed_lengths, 2)):
-        band = _band(q.shape[2], window, q.device) if window and q.shape[2] > window else None
-        outputs.append(sdpa_attention_forward(module, q, k, v, band, is_causal=band is None,
-                                              **kwargs)[0])
-    return torch.cat(outputs, dim=1), None
+    for gather, keep in buckets:  # gather: [rows, longest] positions in T; keep: real ones
+        q, k, v = (tensor[0][:, gather].transpose(0, 1) for tensor in (query, key, value))
+        length = gather.shape[1]
+        band = _band(length, window, q.device) if window and length > window else None
+        out = sdpa_attention_forward(module, q, k, v, band, is_causal=band is None, **kwargs)[0]
+        outputs.append(out[keep])  # [real tokens, heads, dim]
+    return torch.cat(outputs)[order][None], None
 
 
-def _band(length: int, window: int, device) -> torch.Tensor:
-    """Causal attention to the last `window` positions, as a boolean [1, 1, L, L] mask."""
-    at = torch.arange(length, device=device)
-    offset = at[:, None] - at[None, :]
-    return ((offset >= 0) & (offset < window))[None, None]
+@functools.lru_cache(maxsize=64)
+def _buckets(lengths: tuple[int, ...], device) -> tuple[list, torch.Tensor]:
+    """Sequences sorted longest first, cut where one is shorter than 4/5 of its bucket's
+    longest: per bucket the positions to gather ([rows, longest]; padding repeats position
+    0) and which of them are real; and the order that puts the buckets' tokens back."""
+    starts = [0]
+    for length in lengths[:-1]:
+        starts.append(starts[-1] + length)
+    ranked = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, current = [], []
+    for i in ranked:
+        if current and lengths[i] < 0.8 * lengths[current[0]]:
+            groups.append(current)
+            current = []
+        current.append(i)
+    groups.append(current)
+    buckets, placed = [], []
+    for group in groups:
+        longest = lengths[group[0]]
+        at = torch.arange(longest)
+        keep = at[None] < torch.tensor([lengths[i] for i in group])[:, None]
+        gather = torch.where(keep, torch.tensor([starts[i] for i in group])[:, None] + at, 0)
+        buckets.append((gather.to(device), keep.to(device)))
+        placed.append(gather[keep])
+    order = torch.empty(sum(lengths), dtype=torch.long)
+    order[torch.cat(placed)] = torch.arange(sum(lengths))
+    return buckets, order.to(device)
 
 
 AttentionInterface.register(IMPLEMENTATION, packed_attention)

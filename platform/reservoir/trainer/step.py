@@ -174,13 +174,20 @@ def _update(stepped: list[tuple], batch: TrainBatch, index: torch.Tensor, prepar
     for _, optimizer, _ in stepped:
         optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {"loss": 0.0}
-    share = ranks.share(total_rows)
+    if ranks.world == 1 and _flat_rows_add_nothing(algorithm, critic):
+        signal = _with_signal(prepared.advantages[index.to(prepared.advantages.device)])
+        sums["rows_without_signal"] = float(total_rows - len(signal))
+        mini, index = mini.rows(signal.to(mini.input_ids.device)), index[signal.cpu()]
+        if not len(mini):  # nothing to learn: the optimizer steps on zero gradients
+            return sums | _zero_gradient_step(stepped, max_grad_norm)
+    share = ranks.share(len(mini))
     if share.stop == share.start:
         raise ConfigError(f"an update of {total_rows} rows leaves trainer rank {ranks.rank} of "
                           f"{ranks.world} without rows: fewer trainer.workers or "
                           "trainer.algorithm.mini_batches, or larger batches")
     lengths = mini.lengths() if precision.packed_tokens is not None else None
-    for rows, counts in ranks.micro_batches(total_rows, micro_batch, is_sharded(model),
+    covered = 0.0  # the weight of the rows run (all of them unless some were skipped)
+    for rows, counts in ranks.micro_batches(len(mini), micro_batch, is_sharded(model),
                                             lengths, precision.packed_tokens):
         part, at = mini.rows(rows), index[rows].to(prepared.advantages.device)
         weight = (float(part.mask.sum()) / total_tokens if algorithm.aggregation == "token-mean"
@@ -195,14 +202,47 @@ def _update(stepped: list[tuple], batch: TrainBatch, index: torch.Tensor, prepar
             parts |= critic_parts | {"critic/loss": float(critic_loss.detach())}
         (loss * weight).backward()
         sums["loss"] += float(loss.detach()) * weight
+        covered += weight
         for name, value in parts.items():  # weighted as the loss is: the batch's own mean
             sums[name] = sums.get(name, 0.0) + value * weight
+    if sums.get("rows_without_signal") and covered > 0:  # the metrics: the trained rows' mean
+        sums = {name: value if name in ("loss", "rows_without_signal") else value / covered
+                for name, value in sums.items()}
     if ranks.world > 1:
         for stepped_model, _, _ in stepped:
             if not is_sharded(stepped_model):  # a sharded one summed its own
                 sum_gradients(stepped_model, ranks)
         sums = sum_metrics(sums, ranks, model)
     return sums | optimizer_step(stepped, sums["loss"], max_grad_norm)
+
+
+# policy losses proportional to the advantage: a row whose advantages are 0 has gradient 0
+ZERO_AT_ZERO_ADVANTAGE = ("ppo", "gspo", "cispo", "opmd")
+
+
+def _flat_rows_add_nothing(algorithm: Algorithm, critic) -> bool:
+    """Whether rows without signal (advantage 0 at every token) add exactly nothing to the
+    update: a loss proportional to the advantage and no term that is not (entropy, KL in
+    the loss, a critic's value loss). They then skip the forward and backward passes; the
+    loss is still normalised over every row's tokens, so the gradient is the same."""
+    return (algorithm.policy_loss in ZERO_AT_ZERO_ADVANTAGE and algorithm.entropy_coef == 0
+            and not (algorithm.kl_coef > 0 and algorithm.kl_in == "loss") and critic is None)
+
+
+def _with_signal(advantages: torch.Tensor) -> torch.Tensor:
+    """Positions (in `advantages`' rows) of the rows with a non-zero advantage."""
+    flat = advantages == 0 if advantages.dim() == 1 else (advantages == 0).all(dim=1)
+    return torch.nonzero(~flat).flatten()
+
+
+def _zero_gradient_step(stepped: list[tuple], max_grad_norm: float | None) -> dict[str, float]:
+    """The optimizer step of an update whose every row was without signal: zero gradients
+    (AdamW still moves the weights by its moments and decay, as the full pass would)."""
+    for model, _, _ in stepped:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    return optimizer_step(stepped, 0.0, max_grad_norm)
 
 
 def _summary(updates: list[dict[str, float]]) -> dict[str, float]:
