@@ -136,3 +136,20 @@ def test_a_batch_without_signal_still_steps_the_optimizer_on_zero_gradients(tiny
     decayed = [name for (name, p), (_, q) in zip(model.named_parameters(), tiny.named_parameters())
                if not torch.equal(p, q)]
     assert decayed  # weight decay moved them, as a full pass with zero gradients would
+
+
+def test_a_sliding_window_layer_keeps_its_band_when_packed(tiny):
+    """A model whose first layer attends to the last 8 positions only: packed rows longer
+    than that give the padded path's logprobs."""
+    config = copy.deepcopy(tiny.config)
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 2
+    config.layer_types = ["sliding_attention", "full_attention"]
+    windowed = type(tiny)(config)
+    windowed.load_state_dict(tiny.state_dict())
+    batch = mixed_batch(tiny.config.vocab_size)
+    padded = full_logprobs(windowed, batch)
+    packed = packed_logprobs(windowed, batch)
+    real = batch.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(packed[real], padded[real], atol=1e-5, rtol=0)
+    unwindowed = full_logprobs(tiny, batch)
+    assert not torch.allclose(unwindowed[real], padded[real], atol=1e-3)  # the band mattered

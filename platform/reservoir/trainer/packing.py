@@ -46,6 +46,13 @@ def packed_attention(module, query, key, value, attention_mask, *,
     return torch.cat(outputs)[order][None], None
 
 
+def _band(length: int, window: int, device) -> torch.Tensor:
+    """Causal attention to the last `window` positions, as a boolean [1, 1, L, L] mask."""
+    at = torch.arange(length, device=device)
+    offset = at[:, None] - at[None, :]
+    return ((offset >= 0) & (offset < window))[None, None]
+
+
 @functools.lru_cache(maxsize=64)
 def _buckets(lengths: tuple[int, ...], device) -> tuple[list, torch.Tensor]:
     """Sequences sorted longest first, cut where one is shorter than 4/5 of its bucket's
