@@ -203,13 +203,15 @@ def test_a_sharded_run_ends_where_the_unsharded_pools_run_ends(tmp_path, new_dat
         db_url = new_database(template_db)
         path = offline_warm_up_run(tmp_path, sharding, db_url, model, 4, 4 * 2,
                                    checkpoint_dir=str(tmp_path / sharding), workers=2,
-                                   sharding=sharding, algorithm="grpo-kl", lr=1e-3,
-                                   warmup_lr=1e-3, steps=4)
+                                   sharding=sharding, algorithm="grpo-kl", lr=3e-4,
+                                   warmup_lr=3e-4, steps=4)
         output = finish(start("train", str(path), cwd=tmp_path))
         assert ledger(db_url)["steps"] == list(range(9)), output
         runs[sharding] = load_config(path)
     last = {side: tmp_path / side / "offline" / "step-000008" for side in runs}
     assert is_sharded_checkpoint(last["fsdp2"]) and not is_sharded_checkpoint(last["none"])
+    # the collectives sum in another order: Adam turns that float32 noise into weight
+    # differences that grow with the learning rate (1.0e-5 after 9 steps at 1e-3, 1.9e-6 at 3e-4)
     expected = weights_of(last["none"], model)
     for name, tensor in weights_of(last["fsdp2"], model).items():
         torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=0, msg=name)
