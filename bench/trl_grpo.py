@@ -5,15 +5,14 @@ Reservoir's `grpo` preset: one optimizer step per generation batch of batch_grou
 completions, no KL term (beta 0, no reference model), PPO clip 0.2, group-normalised advantages,
 token-mean loss over the whole batch (loss_type "dapo": with one process, no gradient accumulation
 and steps_per_generation 1 it divides by the batch's completion-token count), AdamW at a constant
-learning rate (weight decay 0.01, torch's AdamW default, which Reservoir uses), gradient norm
-clipped to 1.0, float32 on the CPU. Prompts are conversational, so TRL renders them with the
-model's chat template as Reservoir's explorer does (the same token ids); the reward is
+learning rate without weight decay (TRL's default and Reservoir's `trainer.weight_decay`),
+gradient norm clipped to 1.0, float32 on the CPU. Prompts are conversational, so TRL renders them
+with the model's chat template as Reservoir's explorer does (the same token ids); the reward is
 Reservoir's exact_match on the completion's text without special tokens, cut at end-of-turn.
 
 Known differences TRL does not let us remove, none of which changes a step by more than noise
 here: TRL's group std has Bessel's correction and eps 1e-4 (Reservoir: population std, eps
-1e-6; for one group size a constant factor on every advantage, which AdamW cancels); HF's
-Trainer exempts biases and norm weights from weight decay (Reservoir decays every weight); with
+1e-6; for one group size a constant factor on every advantage, which AdamW cancels); with
 one step per generation TRL's importance ratio is exactly 1 (old logprobs = the current ones,
 detached), Reservoir's is against the engine's sampling logprobs (1 up to rounding in sync
 mode); TRL shuffles prompts with its own seeded sampler, every epoch.
@@ -91,7 +90,7 @@ def grpo_config(*, n: int, batch_groups: int, lr: float, temperature: float, max
         steps_per_generation=1, num_iterations=1, num_generations=n,
         beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        weight_decay=0.01, max_grad_norm=1.0, gradient_checkpointing=False,
+        weight_decay=0.0, max_grad_norm=1.0, gradient_checkpointing=False,
         temperature=temperature, top_p=1.0, top_k=0, max_completion_length=max_tokens,
         use_vllm=False, log_completions=False)
 

@@ -164,3 +164,24 @@ def test_more_mini_batches_than_rows_is_one_line(engine, leased):
     with pytest.raises(ConfigError, match="mini_batches: 9 mini-batches of a 8-row batch"):
         train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
                    PRESETS["grpo"].replace(epochs=2, mini_batches=9), micro_batch=4)
+
+
+def test_weight_decay_shrinks_matrices_only_and_is_off_by_default(engine):
+    """Issue 30: every parameter decayed at torch's AdamW default (0.01) where TRL and
+    transformers decay none; trainer.weight_decay (default 0) decays matrices, never biases or
+    norms' scales, as transformers' Trainer does."""
+    from reservoir.config import TrainerConfig
+    from reservoir.trainer.optimizer import adamw
+
+    assert TrainerConfig().weight_decay == 0.0
+    assert [group["weight_decay"] for group in adamw(engine.model, 1e-3).param_groups] == [0.0]
+    model = copy.deepcopy(engine.model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = adamw(model, 0.1, 0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        shrink = 1 - 0.1 * 0.5 if p.dim() >= 2 else 1.0
+        torch.testing.assert_close(p.detach(), before[name] * shrink, msg=name)
+    assert any(p.dim() < 2 for p in model.parameters())  # biases and norms were checked

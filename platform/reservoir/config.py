@@ -462,6 +462,8 @@ class TrainerConfig(Section):
                                     "every weight: {rank: 8} or {rank, alpha, dropout, "
                                     "target_modules}; unset: full fine-tuning")
     lr: Number = number(1e-3, gt=0, le=1)
+    weight_decay: Number = number(0.0, ge=0, le=1, description="AdamW's decoupled weight decay "
+                                  "of matrices (never biases or norms); 0, as TRL's default")
     batch_groups: Count = count(8, 1, 100_000)
     micro_batch: Count = count(16, 1, 1_000_000, "rows per micro-batch when packing is off "
                                "(and per preference micro-batch)")

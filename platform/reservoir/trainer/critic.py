@@ -18,6 +18,7 @@ from reservoir.devices import autocast
 from reservoir.models import load_model, load_weights, save_weights
 from reservoir.trainer.algorithms import value_loss
 from reservoir.trainer.batch import TrainBatch
+from reservoir.trainer.optimizer import adamw
 
 
 class ValueModel(torch.nn.Module):
@@ -65,10 +66,10 @@ class Critic:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def build_critic(path: Path, device: torch.device, *, lr: float,
-                 value_clip: float | None) -> Critic:
+def build_critic(path: Path, device: torch.device, *, lr: float, value_clip: float | None,
+                 weight_decay: float = 0.0) -> Critic:
     """A value model from the causal LM at `path` (its decoder; the LM head is dropped)."""
     lm, _ = load_model(path)
     model = ValueModel(lm.get_decoder(), lm.config.hidden_size).to(device)
     model.train()
-    return Critic(model, torch.optim.AdamW(model.parameters(), lr=lr), value_clip)
+    return Critic(model, adamw(model, lr, weight_decay), value_clip)

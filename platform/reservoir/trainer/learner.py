@@ -27,6 +27,7 @@ from reservoir.trainer.adapters import AdaptersOff, merged_state, with_adapters
 from reservoir.trainer.batch import TrainBatch
 from reservoir.trainer.checkpoint import Resumed, load_checkpoint, load_weights_of, save_checkpoint
 from reservoir.trainer.critic import Critic, build_critic
+from reservoir.trainer.optimizer import adamw
 from reservoir.trainer.pairs import preference_step
 from reservoir.trainer.seed import step_seed
 from reservoir.trainer.sharding import (base_of, frozen_copy, full_state, is_sharded, shard,
@@ -71,7 +72,7 @@ class Learner:
 
     def _optimizer(self, lr: float) -> torch.optim.Optimizer:
         """AdamW over what trains: every weight, or the adapters only."""
-        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
+        return adamw(self.model, lr, self.config.trainer.weight_decay)
 
     # -- stages and checkpoints -------------------------------------------------------------
 
@@ -163,7 +164,8 @@ class Learner:
         critic = self.config.trainer.critic
         torch.manual_seed(self.config.run.seed)  # the same critic on every rank and resume
         return build_critic(critic.path or self.config.model.path, self.device, lr=critic.lr,
-                            value_clip=stage.algorithm.value_clip)
+                            value_clip=stage.algorithm.value_clip,
+                            weight_decay=self.config.trainer.weight_decay)
 
     @staticmethod
     def _frozen(model):

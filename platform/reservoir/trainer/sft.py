@@ -14,6 +14,7 @@ import torch
 
 from reservoir.chat import Message, Tokens, demonstration
 from reservoir.trainer.batch import TrainBatch
+from reservoir.trainer.optimizer import adamw
 from reservoir.trainer.presets import PRESETS
 from reservoir.trainer.step import train_step
 
@@ -63,7 +64,7 @@ def supervised(model, tokenizer, pairs: Sequence[tuple[str, str]], *, steps: int
     models with it; a run's sft stage draws the same batches through `task_batch`); returns
     each step's loss."""
     rows = demonstrations(tokenizer, [conversation(prompt, answer) for prompt, answer in pairs])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = adamw(model, lr)
     device = next(model.parameters()).device
     model.train()
     return [train_step(model, optimizer, task_batch(tokenizer.pad_token_id, rows, batch_size,
