@@ -3,10 +3,12 @@
 1. An RFT run on CUDA in bf16: `reservoir train` and `reservoir explore` (transformers engine) as
    two processes on the embedded store, the tiny model, a short warm-up, then --steps GRPO steps.
    Prints seconds per step, trainer tokens/s, peak GPU memory, held-out accuracy and the
-   explorer's in-place weight updates.
+   explorer's in-place weight updates; then the same run with `run.placement: colocated` (one
+   process, one model: issue 30).
 2. Trainer steps on a Qwen2.5-0.5B-shaped model built locally (random weights; vocabulary
    151,936): bf16 with chunked logprobs, the same with gradient checkpointing, and the old path
    (a vocabulary-wide float32 log_softmax) for comparison: tokens/s, seconds per step, peak memory.
+   Packed against padded micro-batches on rows of 4-256 response tokens (issue 30).
 3. A checkpoint restores the CUDA generator (exact resume on a GPU).
 4. LoRA and PPO epochs on CUDA (issue 29): a LoRA policy (rank 8) trains grpo with 2 epochs x 2
    mini-batches in bf16 (tokens/s, peak memory, state bytes against full fine-tuning), its
@@ -51,11 +53,15 @@ def reservoir(*args: str, cwd: Path, env: dict) -> subprocess.Popen:
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def rft_run(work: Path, steps: int, warmup: int, device: str) -> None:
+def rft_run(work: Path, steps: int, warmup: int, device: str,
+            placement: str = "split") -> None:
+    """`reservoir train` and `reservoir explore` as two processes (split), or `reservoir run`
+    of a colocated run: one process, one model."""
     model = build_tiny_model(work / "tiny", spec=TinySpec())
-    config = work / "gpu.yaml"
+    config = work / f"gpu-{placement}.yaml"
     config.write_text(yaml.safe_dump({
-        "run": {"name": "gpu-check", "seed": 0}, "model": {"path": str(model)},
+        "run": {"name": f"gpu-{placement}", "seed": 0, "placement": placement},
+        "model": {"path": str(model)},
         "tasks": {"generate": "reverse", "count": 3000, "test_fraction": 0.1},
         "explorer": {"n": 8, "batch_tasks": 32, "max_tokens": 10, "device": device,
                      "engine": "transformers"},
@@ -66,25 +72,33 @@ def rft_run(work: Path, steps: int, warmup: int, device: str) -> None:
         "store": {"data_dir": str(work / "pg")}}))
     env = {**os.environ, "COLUMNS": "160"}
     started = time.monotonic()
-    trainer = reservoir("train", str(config), cwd=work, env=env)
-    time.sleep(5)  # the trainer creates the run and migrates the store first
-    explorer = reservoir("explore", str(config), "--workers", "1", cwd=work, env=env)
-    outputs = [p.communicate(timeout=330)[0] for p in (trainer, explorer)]
+    if placement == "colocated":
+        processes = {"run": reservoir("run", str(config), cwd=work, env=env)}
+    else:
+        processes = {"train": reservoir("train", str(config), cwd=work, env=env)}
+        time.sleep(5)  # the trainer creates the run and migrates the store first
+        processes["explore"] = reservoir("explore", str(config), "--workers", "1", cwd=work,
+                                         env=env)
+    outputs = [p.communicate(timeout=330)[0] for p in processes.values()]
     wall = time.monotonic() - started
-    for name, process, output in zip(("train", "explore"), (trainer, explorer), outputs):
+    for (name, process), output in zip(processes.items(), outputs):
         if process.returncode != 0:
             print(f"reservoir {name} failed:\n{output[-3000:]}")
             raise SystemExit(1)
     rows = query(work, config, "SELECT step, metrics FROM analytics.run_steps "
-                 "WHERE run = 'gpu-check' AND step > 0 ORDER BY step")
+                 f"WHERE run = 'gpu-{placement}' AND step > 0 ORDER BY step")
     metrics = [json.loads(m) if isinstance(m, str) else m for _, m in rows]
     train_s = [m["train_s"] for m in metrics]
     rates = [m["train_tokens_per_s"] for m in metrics]
     peaks = [m.get("peak_memory_gib", float("nan")) for m in metrics]
     accuracy = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
-    update = re.search(r"in-place updates: mean ([\d.]+) s, max ([\d.]+) s", outputs[1])
-    print(f"rft on {device} bf16 (tiny model): {len(metrics)} GRPO steps in {wall:.0f} s wall "
-          f"(warm-up and start-up included); train {sum(train_s) / len(train_s):.3f} s/step, "
+    (per_step,), = query(work, config, "SELECT extract(epoch FROM max(created_at) - "
+                         "min(created_at)) / greatest(count(*) - 1, 1) FROM analytics.run_steps "
+                         f"WHERE run = 'gpu-{placement}' AND step > {warmup}")
+    update = re.search(r"in-place updates: mean ([\d.]+) s, max ([\d.]+) s", outputs[-1])
+    print(f"rft {placement} on {device} bf16 (tiny model): {len(metrics)} GRPO steps in "
+          f"{wall:.0f} s wall (warm-up and start-up included), {float(per_step):.3f} s per GRPO "
+          f"step (generation, store and training); train {sum(train_s) / len(train_s):.3f} s/step, "
           f"{sum(rates) / len(rates):,.0f} trainer tokens/s, peak {max(peaks):.2f} GiB; "
           f"held-out accuracy {accuracy[0] if accuracy else float('nan'):.2f} -> "
           f"{accuracy[-1] if accuracy else float('nan'):.2f}; explorer in-place updates "
@@ -108,6 +122,20 @@ def synthetic_batch(vocab: int, rows: int, width: int, device: torch.device) -> 
                       torch.rand(rows, device=device), torch.arange(rows, device=device) // 8)
 
 
+def mixed_batch(vocab: int, rows: int, device: torch.device, seed: int = 0) -> TrainBatch:
+    """Rows of a 32-token prompt and a response of 4-256 tokens, right-padded (issue 30)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = 32 + torch.randint(4, 257, (rows,), generator=generator)
+    width = int(lengths.max())
+    ids = torch.randint(10, vocab, (rows, width), generator=generator)
+    attention = (torch.arange(width)[None] < lengths[:, None]).long()
+    mask = torch.zeros(rows, width - 1)
+    for row, length in enumerate(lengths.tolist()):
+        mask[row, 31:length - 1] = 1
+    return TrainBatch(ids * attention, attention, mask, torch.full_like(mask, float("nan")),
+                      torch.rand(rows), torch.arange(rows) // 8).to(device)
+
+
 def big_steps(steps: int, rows: int, width: int, device: torch.device, layers: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -122,19 +150,26 @@ def big_steps(steps: int, rows: int, width: int, device: torch.device, layers: i
                            ("float32, full log_softmax (before issue 9)",
                             dict(dtype="float32", full=True))):
         seconds, peak = timed_steps(base, batch, steps, **options)
-        print(f"0.5B-shaped trainer ({layers} layers, {rows} x {width} tokens, {label}): {tokens / seconds:,.0f} "
-              f"trained tokens/s, {seconds:.3f} s/step, peak {peak:.1f} GiB")
+        print(f"0.5B-shaped trainer ({layers} layers, {rows} x {width} tokens, {label}): "
+              f"{tokens / seconds:,.0f} trained tokens/s, {seconds:.3f} s/step, peak {peak:.1f} GiB")
     from reservoir.config import LoraConfig
     from reservoir.trainer.adapters import with_adapters
 
+    mixed = mixed_batch(QWEN_05B["vocab_size"], rows, device)
+    mixed_tokens = float(mixed.mask.sum())
+    for label, packed in (("packed", 16_384), ("padded", None)):
+        seconds, peak = timed_steps(base, mixed, steps, dtype="bfloat16", packed=packed)
+        print(f"0.5B-shaped trainer ({layers} layers, {rows} rows, responses of 4-256 tokens, "
+              f"bf16, {label}): {mixed_tokens / seconds:,.0f} trained tokens/s, {seconds:.3f} s/step, "
+              f"peak {peak:.1f} GiB")
     lora = with_adapters(base, LoraConfig(rank=8), seed=0)
     seconds, peak = timed_steps(lora, batch, steps, dtype="bfloat16")
     print(f"0.5B-shaped trainer ({layers} layers, {rows} x {width} tokens, bf16, LoRA rank 8): "
           f"{tokens / seconds:,.0f} trained tokens/s, {seconds:.3f} s/step, peak {peak:.1f} GiB")
 
 
-def timed_steps(model, batch: TrainBatch, steps: int, *, dtype: str,
-                checkpointing: bool = False, full: bool = False) -> tuple[float, float]:
+def timed_steps(model, batch: TrainBatch, steps: int, *, dtype: str, checkpointing: bool = False,
+                full: bool = False, packed: int | None = None) -> tuple[float, float]:
     import reservoir.trainer.step as step_module
 
     model.train()
@@ -147,7 +182,7 @@ def timed_steps(model, batch: TrainBatch, steps: int, *, dtype: str,
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     original = step_module.token_logprobs
     if full:  # the pre-issue-9 path, for the memory comparison
-        step_module.token_logprobs = (lambda m, b, t, chunk, entropy=False:
+        step_module.token_logprobs = (lambda m, b, t, chunk, entropy=False, packed=False:
                                       full_logprobs(m, b, t, entropy=entropy))
     try:
         times = []
@@ -157,7 +192,7 @@ def timed_steps(model, batch: TrainBatch, steps: int, *, dtype: str,
             sync()
             started = time.perf_counter()
             train_step(model, optimizer, batch, PRESETS["grpo"], micro_batch=len(batch),
-                       precision=Precision(dtype=dtype))
+                       precision=Precision(dtype=dtype, packed_tokens=packed))
             sync()
             times.append(time.perf_counter() - started)
     finally:
@@ -296,6 +331,7 @@ def main() -> None:
     if device.type == "cuda":
         cuda_rng_resumes(work)
     rft_run(work, args.steps, args.warmup, args.device)
+    rft_run(work, args.steps, args.warmup, args.device, placement="colocated")
     lora_epochs_export(work, args.device, args.big_steps)
     fsdp2_one_rank(work, args.device, args.big_steps)
     big_steps(args.big_steps, args.batch, args.seq, device, args.big_layers)
