@@ -151,7 +151,8 @@ def big_steps(steps: int, rows: int, width: int, device: torch.device, layers: i
                             dict(dtype="float32", full=True))):
         seconds, peak = timed_steps(base, batch, steps, **options)
         print(f"0.5B-shaped trainer ({layers} layers, {rows} x {width} tokens, {label}): "
-              f"{tokens / seconds:,.0f} trained tokens/s, {seconds:.3f} s/step, peak {peak:.1f} GiB")
+              f"{tokens / seconds:,.0f} trained tokens/s, {seconds:.3f} s/step, "
+              f"peak {peak:.1f} GiB")
     from reservoir.config import LoraConfig
     from reservoir.trainer.adapters import with_adapters
 
@@ -160,8 +161,8 @@ def big_steps(steps: int, rows: int, width: int, device: torch.device, layers: i
     for label, packed in (("packed", 16_384), ("padded", None)):
         seconds, peak = timed_steps(base, mixed, steps, dtype="bfloat16", packed=packed)
         print(f"0.5B-shaped trainer ({layers} layers, {rows} rows, responses of 4-256 tokens, "
-              f"bf16, {label}): {mixed_tokens / seconds:,.0f} trained tokens/s, {seconds:.3f} s/step, "
-              f"peak {peak:.1f} GiB")
+              f"bf16, {label}): {mixed_tokens / seconds:,.0f} trained tokens/s, "
+              f"{seconds:.3f} s/step, peak {peak:.1f} GiB")
     lora = with_adapters(base, LoraConfig(rank=8), seed=0)
     seconds, peak = timed_steps(lora, batch, steps, dtype="bfloat16")
     print(f"0.5B-shaped trainer ({layers} layers, {rows} x {width} tokens, bf16, LoRA rank 8): "
