@@ -143,3 +143,20 @@ def test_a_colocated_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
     assert yaml.safe_load(config_path.read_text())["run"]["placement"] == "colocated"
+
+
+@pytest.mark.store_agnostic
+def test_the_colocated_example_is_the_main_job_in_one_process():
+    """examples/reverse_colocated is examples/reverse_grpo but for its name and placement (the
+    README compares their wall time and accuracy)."""
+    from pathlib import Path
+
+    from reservoir.config import load_config
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    split = load_config(examples / "reverse_grpo" / "config.yaml").model_dump()
+    colocated = load_config(examples / "reverse_colocated" / "config.yaml").model_dump()
+    assert (split["run"]["placement"], colocated["run"]["placement"]) == ("split", "colocated")
+    for config in (split, colocated):
+        config["run"].pop("name"), config["run"].pop("placement")
+    assert colocated == split

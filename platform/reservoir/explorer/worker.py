@@ -59,10 +59,10 @@ def set_threads(threads: int) -> None:
 
 
 class ExplorerWorker:
-    """`shared`: the engine is the trainer's own module (a colocated run): it always holds
-    the latest policy, so nothing is loaded, and each round seeds its sampling from the run's
-    seed, the version and its first task, so a resumed run samples what the first attempt
-    did."""
+    """Each round seeds its sampling from the worker's seed, the policy version and the
+    round's first task, so a resumed run samples what the first attempt did, and a sync run
+    samples the same whether split or colocated. `shared`: the engine is the trainer's own
+    module (a colocated run): it always holds the latest policy, so nothing is loaded."""
 
     def __init__(self, config: ReservoirConfig, index: int = 0, *,
                  shared: bool = False) -> None:
@@ -135,8 +135,7 @@ class ExplorerWorker:
         if not claimed:
             return "wait"
         explorer = self.config.explorer
-        if self.shared:
-            torch.manual_seed(step_seed(self.seed, self.version * 1_000_003 + claimed[0][0]))
+        torch.manual_seed(step_seed(self.seed, self.version * 1_000_003 + claimed[0][0]))
         groups = explore(self.workflow, [Task.of(row) for row in claimed], batcher,
                          Sampling(explorer.n, explorer.temperature, explorer.max_tokens),
                          run=self.config.run.name, version=self.version,
