@@ -205,11 +205,12 @@ def run_reservoir(side: str, model: Path, task_file: Path, scratch: Path, args) 
         totals[version] = totals.get(version, 0.0) + float(total)
         counts[version] = counts.get(version, 0) + count
     rollout = [totals[v] / counts[v] if v in counts else float("nan") for v in range(steps)]
-    extra = {key: float(np.mean([m.get(key, 0.0) for m in metrics])) for key in
-             ("policy/clip_fraction", "policy/ratio_mean", "dynamic/set_aside_groups")
-             if any(key in m for m in metrics)}
+    # over the steps that report them (a step whose rows all lacked signal trains none)
+    extra = {key: float(np.mean([m[key] for m in metrics if key in m])) for key in
+             ("policy/clip_fraction", "policy/ratio_mean", "dynamic/set_aside_groups",
+              "rows_without_signal") if any(key in m for m in metrics)}
     label = {"dynamic": "sync+dynamic"}.get(side, side)
-    return Outcome(f"reservoir {label}", [float(row[1]) for row in step_rows], rollout,
+    return Outcome(f"reservoir {label} {args.placement}", [float(row[1]) for row in step_rows], rollout,
                    [float(m["reward_mean"]) for m in metrics], wall_s,
                    sum(count for _, _, count, _ in groups),
                    float(np.mean([flat for *_, flat in groups])), extra, families,

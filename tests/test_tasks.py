@@ -92,6 +92,30 @@ def test_cli_load_is_all_or_nothing(tmp_path, db_url):
     assert count.stdout.splitlines()[1] == "30"
 
 
+def test_cli_load_shuffles_a_files_order_as_a_run_does(tmp_path, db_url):
+    """Issue 30: a file listing one family of tasks after another kept its order through
+    `reservoir tasks load`, so explorers (which claim in id order) saw one family for a whole
+    stretch of steps; a run's own task file was shuffled by run.seed. Now both are, and
+    --in-order keeps a file's order where a curriculum wants it."""
+    path = tmp_path / "families.jsonl"
+    rows = [{"prompt": f"{a}+{a}", "answer": str(2 * a), "source": "known"} for a in range(40)]
+    rows += [{"prompt": f"{a}*{a}", "answer": str(a * a), "source": "unknown"} for a in range(40)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    script = str(Path(sys.executable).with_name("reservoir"))
+    env = {**os.environ, "RESERVOIR_DB_URL": db_url}
+    for run, flags in (("shuffled", []), ("ordered", ["--in-order"])):
+        done = subprocess.run([script, "tasks", "load", str(path), "--run", run, *flags],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    listed = subprocess.run([script, "sql", "SELECT run, source FROM analytics.tasks ORDER BY "
+                             "run, task_id", "-f", "csv"], env=env, capture_output=True,
+                            text=True, timeout=120).stdout.splitlines()[1:]
+    shuffled = [line.split(",")[1] for line in listed if line.startswith("shuffled,")]
+    ordered = [line.split(",")[1] for line in listed if line.startswith("ordered,")]
+    assert ordered == [row["source"] for row in rows]
+    assert sorted(shuffled) == sorted(ordered) and 10 <= shuffled[:40].count("known") <= 30
+
+
 @pytest.mark.parametrize("line, message", [
     ('["What is 1 + 1?", "2"]', r"bad.jsonl line 2: a task is a JSON object \(got list\)"),
     ('"just a prompt"', r"bad.jsonl line 2: a task is a JSON object \(got str\)"),

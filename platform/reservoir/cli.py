@@ -264,14 +264,22 @@ def report_command(run: str = typer.Argument(..., help="Run name."),
 @tasks_app.command("load")
 def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with a prompt column."),
                run: str = typer.Option(..., "--run", help="Run to load into (created if new)."),
+               seed: int = typer.Option(0, help="Seed of the shuffle."),
+               in_order: bool = typer.Option(False, "--in-order",
+                                             help="Keep the file's order (a curriculum)."),
                config: Optional[Path] = ConfigOption) -> None:
-    """Load tasks from a file into a run, all or nothing."""
+    """Load tasks from a file into a run, all or nothing, shuffled as a run's task file is
+    (explorers claim tasks in id order)."""
+    import random
+
     from reservoir.config import checked_run_name
     from reservoir.explorer.tasks import read_task_file
     from reservoir.store.tasks import add_tasks
 
     checked_run_name(run, "--run")
     rows = read_task_file(file)
+    if not in_order:
+        random.Random(seed).shuffle(rows)
     with _open(config, migrate=True) as store:
         run_id = store.create_run(run, exist_ok=True)
         with store.engine.begin() as conn:
