@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,10 +18,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from rich.console import Console
 from sqlalchemy import text
 
+from reservoir import pool
 from reservoir.config import parse_config
+from reservoir.errors import Abandoned
 from reservoir.models import build_tiny_model, load_model
+from reservoir.monitor import Monitor
 from reservoir.prepare import ensure_run
 from reservoir.store import Experience, Store
 from reservoir.store.engine import sync_engine
@@ -165,6 +170,45 @@ def _kill_a_claim_holder(db_url: str):
     still = query(db_url, "SELECT count(*) FROM tasks WHERE claimed_by = :who AND id = ANY(:ids)",
                   who=victim, ids=list(held))[0][0]
     return (victim, held) if still == len(held) else None  # else it finished first: try again
+
+
+class StopsSlowly:
+    """A worker (what `reservoir train` and `explore` run in front): it works until asked to
+    stop, then takes `stopping_s` to stop (a checkpoint, say)."""
+
+    def __init__(self, stopping_s: float) -> None:
+        self.asked, self.stopping_s, self.thread = threading.Event(), stopping_s, None
+
+    def request_stop(self) -> None:
+        self.asked.set()
+
+    def run(self) -> str:
+        self.thread = threading.current_thread()
+        while not self.asked.wait(0.02):
+            pass
+        time.sleep(self.stopping_s)
+        return "stopped"
+
+
+@pytest.mark.parametrize("ctrl_cs", [1, 2])
+def test_the_worker_runs_in_the_main_thread_and_a_second_ctrl_c_leaves_at_once(store, ctrl_cs):
+    """The worker computes in the main thread (a second thread's OpenMP team slowed torch on
+    a CPU), the live view in a thread of its own; the first Ctrl-C asks the worker to stop and
+    lets it finish, a second raises Abandoned in the worker at once."""
+    worker = StopsSlowly(stopping_s=0.5 if ctrl_cs == 1 else 30)
+    for at in range(ctrl_cs):
+        threading.Timer(0.3 + 0.3 * at, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    monitor = Monitor(store.engine, "nothing", 1)
+    if ctrl_cs == 1:
+        assert pool._in_front(worker, monitor, Console(quiet=True)) == "stopped"
+    else:
+        with pytest.raises(Abandoned):
+            pool._in_front(worker, monitor, Console(quiet=True))
+        assert time.monotonic() - started < 5
+    assert worker.thread is threading.main_thread() and worker.asked.is_set()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert [t.name for t in threading.enumerate() if t.name == "monitor"] == []
 
 
 @pytest.mark.store_agnostic  # signals and checkpoints: the same on any server

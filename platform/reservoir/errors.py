@@ -9,6 +9,11 @@ class ReservoirError(Exception):
     """Base class of every error Reservoir raises on purpose."""
 
 
+class Abandoned(KeyboardInterrupt):
+    """A second Ctrl-C: the work stops where it is, nothing more is written (no checkpoint of
+    weights a step may have changed without committing)."""
+
+
 class ConfigError(ReservoirError):
     """A config file or value is invalid; the message names the file and the key path."""
 

@@ -11,6 +11,7 @@ stopped; explorers give their claimed tasks back. A second Ctrl-C stops at once.
 from __future__ import annotations
 
 import math
+import signal
 import threading
 from functools import partial
 from pathlib import Path
@@ -21,7 +22,7 @@ from rich.console import Console
 from reservoir.colocated import Colocated
 from reservoir.config import ReservoirConfig
 from reservoir.devices import gpus_wanted
-from reservoir.errors import ConfigError, ReservoirError
+from reservoir.errors import Abandoned, ConfigError, ReservoirError
 from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.explorer.workflow import make_workflow
@@ -102,7 +103,7 @@ def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[
         ensure_run(store, config)
         monitor = Monitor(store.engine, config.run.name, total_steps(config))
         if config.explorer.workers == 1:
-            return [_in_thread(ExplorerWorker(config), monitor, console)]
+            return [_in_front(ExplorerWorker(config), monitor, console)]
         import ray
 
         with _ray(config):
@@ -129,7 +130,7 @@ def train(config: ReservoirConfig, *, resume: bool = False,
         colocate = Colocated if config.run.placement == "colocated" else None
         trainer = TrainerWorker(config, resume=resume, console=console,
                                 evaluate=partial(held_out_accuracy, config), colocate=colocate)
-        return _in_thread(trainer, monitor, console)
+        return _in_front(trainer, monitor, console)
 
 
 def serve(config: ReservoirConfig, *, console: Console | None = None) -> None:
@@ -170,25 +171,45 @@ def _prepared(config: ReservoirConfig) -> ReservoirConfig:
     return config
 
 
-def _in_thread(worker, monitor: Monitor, console: Console):
-    """Run worker.run() in a thread while this one shows the run; return its result."""
-    outcome: dict = {}
-    done = threading.Event()  # not Thread.join: a Ctrl-C inside join can leave the thread
-                              # looking finished while it still runs
+def _in_front(worker, monitor: Monitor, console: Console):
+    """worker.run() in this thread while a helper thread shows the run; its result. Torch
+    computes here: on a CPU a second thread's OpenMP team measurably slowed a colocated step
+    (generation and training ~1.4x slower than the same calls in the main thread). The first
+    Ctrl-C asks the worker to stop (it finishes its step and checkpoints); a second raises
+    `Abandoned` where the worker is: it stops at once."""
+    stopping, done = threading.Event(), threading.Event()
 
-    def target() -> None:
-        try:
-            outcome["result"] = worker.run()
-        except BaseException as exc:  # handed to the caller's thread below
-            outcome["error"] = exc
-        finally:
-            done.set()
+    def interrupted(signum, frame) -> None:
+        if stopping.is_set():
+            raise Abandoned("interrupted")
+        stopping.set()
+        worker.request_stop()
 
-    threading.Thread(target=target, name=type(worker).__name__, daemon=True).start()
-    _supervise(monitor, console, finished=done.wait, stop=worker.request_stop)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+    here = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupted) if here else None
+    viewer = threading.Thread(target=_show, args=(monitor, console, done, stopping),
+                              name="monitor", daemon=True)
+    viewer.start()
+    try:
+        return worker.run()
+    finally:
+        if here:
+            signal.signal(signal.SIGINT, previous)
+        done.set()
+        viewer.join()
+
+
+def _show(monitor: Monitor, console: Console, done: threading.Event,
+          stopping: threading.Event) -> None:
+    """Refresh the live view every half second until `done`; say so once a stop was asked."""
+    said = False
+    with live(monitor, console) as view:
+        while not done.wait(0.5):
+            if stopping.is_set() and not said:
+                said = True
+                console.print("stopping: workers finish their step and checkpoint "
+                              "(Ctrl-C again to abort)")
+            view.update(monitor.render(), refresh=True)
 
 
 def _supervise(monitor: Monitor, console: Console, *, finished: Callable[[float], bool],

@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 
 from reservoir.config import ReservoirConfig
-from reservoir.errors import ConfigError, ReservoirError, StepNotFinite
+from reservoir.errors import Abandoned, ConfigError, ReservoirError, StepNotFinite
 from reservoir.prepare import branch_checkpoint, check_model, check_resumable
 from reservoir.store import Store
 from reservoir.store.ledger import add_step_metrics, last_step, record_step
@@ -100,6 +100,8 @@ class TrainerWorker:
                         self._colocated() as self.here:
                     first, committed = self._resume() if self.resume else self._start()
                     self._train(first, committed)
+            except Abandoned:  # a second Ctrl-C: no status, no checkpoint, at once
+                raise
             except KeyboardInterrupt:
                 self._stop.set()
             except BaseException:
