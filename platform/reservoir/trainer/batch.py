@@ -70,24 +70,32 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 def make_batch(rows: Sequence[LeasedExperience], pad_id: int,
                device: torch.device | str = "cpu") -> TrainBatch:
-    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
-    width = max(lengths)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width - 1))
-    old = torch.full((len(rows), width - 1), float("nan"))
+    """The rows right-padded, built with whole-array numpy operations (a step's batch is
+    hundreds of rows: per-row tensor writes cost more than the step's store work)."""
+    prompts = np.array([len(r.prompt_ids) for r in rows])
+    responses = np.array([len(r.response_ids) for r in rows])
+    lengths = prompts + responses
+    width = int(lengths.max())
+    real = np.arange(width)[None] < lengths[:, None]  # [B, L]
+    input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    input_ids[real] = np.concatenate([part for r in rows
+                                      for part in (r.prompt_ids, r.response_ids)])
+    # position t holds token t + 1: a response's tokens sit at prompt - 1 .. prompt + response - 2
+    at = np.arange(width - 1)[None]
+    written = (at >= prompts[:, None] - 1) & (at < lengths[:, None] - 1)
+    trains = [np.ones(len(r.response_ids), np.float32) if r.action_mask is None
+              else np.asarray(r.action_mask, np.float32) for r in rows]
+    mask = np.zeros((len(rows), width - 1), np.float32)
+    mask[written] = np.concatenate(trains)
+    old = np.full((len(rows), width - 1), np.nan, np.float32)
+    # the engine's logprobs where the model wrote the token
+    old[written] = np.concatenate([
+        np.full(len(t), np.nan, np.float32) if r.logprobs is None
+        else np.where(t == 1, r.logprobs, np.nan).astype(np.float32)
+        for r, t in zip(rows, trains)])
     groups = {group: index for index, group in enumerate(dict.fromkeys(r.group_id for r in rows))}
-    for i, row in enumerate(rows):
-        prompt, response = len(row.prompt_ids), len(row.response_ids)
-        input_ids[i, :prompt + response] = torch.from_numpy(
-            np.concatenate([row.prompt_ids, row.response_ids]).astype(np.int64))
-        attention[i, :prompt + response] = 1
-        trains = np.ones(response) if row.action_mask is None else row.action_mask
-        mask[i, prompt - 1:prompt - 1 + response] = torch.from_numpy(trains.astype(np.float32))
-        if row.logprobs is not None:  # the engine's logprobs where the model wrote the token
-            sampled = np.where(trains == 1, row.logprobs, np.nan).astype(np.float32)
-            old[i, prompt - 1:prompt - 1 + response] = torch.from_numpy(sampled)
-    return TrainBatch(input_ids, attention, mask, old,
+    return TrainBatch(torch.from_numpy(input_ids), torch.from_numpy(real.astype(np.int64)),
+                      torch.from_numpy(mask), torch.from_numpy(old),
                       torch.tensor([r.train_reward for r in rows], dtype=torch.float32),
                       torch.tensor([groups[r.group_id] for r in rows])).to(device)
 
