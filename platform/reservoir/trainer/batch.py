@@ -165,14 +165,15 @@ def packed_logprobs(model, batch: TrainBatch, temperature: float = 1.0, *,
     sources = torch.ones_like(flat, dtype=torch.bool)
     sources[ends] = False  # a row's last token predicts nothing of its own row
     targets = flat.roll(-1)[sources]
+    taken = sources.nonzero()[:, 0]  # index_select: its backward is index_add, not index_put
     packed = packable(model) | {"input_ids": flat[None], "position_ids": positions[None],
                                 "packed_lengths": lengths.tolist(), "use_cache": False}
     if any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):
-        logits = model(**packed).logits[0][sources]
+        logits = model(**packed).logits[0].index_select(0, taken)
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         logprobs, entropies = logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
     else:
-        hidden = model.get_decoder()(**packed).last_hidden_state[0][sources]
+        hidden = model.get_decoder()(**packed).last_hidden_state[0].index_select(0, taken)
         logprobs, entropies = _head_logprobs(model.get_output_embeddings(), hidden, targets,
                                              temperature, chunk, entropy)
     valid = real[:, 1:]  # (row, t) with a next token in the row: the same order as `sources`

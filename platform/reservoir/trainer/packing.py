@@ -35,15 +35,18 @@ def packed_attention(module, query, key, value, attention_mask, *,
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
     window = kwargs.get("sliding_window")
-    buckets, order = _buckets(tuple(packed_lengths), query.device)
+    gather, shapes, back = _buckets(tuple(packed_lengths), query.device)
+    # one gather in and one out, by index_select: their backward is one index_add each, where
+    # per-bucket indexing took a full-size accumulating index_put per bucket on a CPU
+    pieces = zip(*(tensor[0].index_select(1, gather).split([r * n for r, n in shapes], dim=1)
+                   for tensor in (query, key, value)))
     outputs = []
-    for gather, keep in buckets:  # gather: [rows, longest] positions in T; keep: real ones
-        q, k, v = (tensor[0][:, gather].transpose(0, 1) for tensor in (query, key, value))
-        length = gather.shape[1]
+    for (rows, length), qkv in zip(shapes, pieces):
+        q, k, v = (part.unflatten(1, (rows, length)).transpose(0, 1) for part in qkv)
         band = _band(length, window, q.device) if window and length > window else None
         out = sdpa_attention_forward(module, q, k, v, band, is_causal=band is None, **kwargs)[0]
-        outputs.append(out[keep])  # [real tokens, heads, dim]
-    return torch.cat(outputs)[order][None], None
+        outputs.append(out.flatten(0, 1))  # [rows x length, heads, dim]
+    return torch.cat(outputs).index_select(0, back)[None], None
 
 
 def _band(length: int, window: int, device) -> torch.Tensor:
@@ -54,10 +57,11 @@ def _band(length: int, window: int, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _buckets(lengths: tuple[int, ...], device) -> tuple[list, torch.Tensor]:
+def _buckets(lengths: tuple[int, ...], device) -> tuple[torch.Tensor, list, torch.Tensor]:
     """Sequences sorted longest first, cut where one is shorter than 4/5 of its bucket's
-    longest: per bucket the positions to gather ([rows, longest]; padding repeats position
-    0) and which of them are real; and the order that puts the buckets' tokens back."""
+    longest, each bucket right-padded to its longest: the packed positions to gather, bucket
+    after bucket (padding repeats position 0); each bucket's (rows, longest); and for each
+    packed position, where its token sits among the gathered ones."""
     starts = [0]
     for length in lengths[:-1]:
         starts.append(starts[-1] + length)
@@ -69,17 +73,17 @@ def _buckets(lengths: tuple[int, ...], device) -> tuple[list, torch.Tensor]:
             current = []
         current.append(i)
     groups.append(current)
-    buckets, placed = [], []
+    gathers, shapes, back, offset = [], [], torch.empty(sum(lengths), dtype=torch.long), 0
     for group in groups:
         longest = lengths[group[0]]
         at = torch.arange(longest)
         keep = at[None] < torch.tensor([lengths[i] for i in group])[:, None]
         gather = torch.where(keep, torch.tensor([starts[i] for i in group])[:, None] + at, 0)
-        buckets.append((gather.to(device), keep.to(device)))
-        placed.append(gather[keep])
-    order = torch.empty(sum(lengths), dtype=torch.long)
-    order[torch.cat(placed)] = torch.arange(sum(lengths))
-    return buckets, order.to(device)
+        back[gather[keep]] = offset + keep.flatten().nonzero()[:, 0]
+        gathers.append(gather.flatten())
+        shapes.append((len(group), longest))
+        offset += gather.numel()
+    return torch.cat(gathers).to(device), shapes, back.to(device)
 
 
 AttentionInterface.register(IMPLEMENTATION, packed_attention)
