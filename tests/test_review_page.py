@@ -282,7 +282,7 @@ def test_a_multi_turn_episode_is_shown_as_turns(store, review_server, db_url, tm
         conn.execute(text("INSERT INTO reviews (experience_id, reason) SELECT id, 'look' "
                           "FROM experiences"))
     url, _ = review_server()
-    page = httpx.get(f"{url}/").text
+    page = httpx.get(f"{url}/", timeout=60).text
     shown = re.findall(r'<div class="turn (model|environment)">(?:<span[^>]*>[^<]*</span>)?'
                        r"<pre>([^<]*)</pre>", page)
     assert [(kind, html.unescape(text)) for kind, text in shown] == [

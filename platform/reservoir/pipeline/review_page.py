@@ -30,10 +30,12 @@ import secrets
 import time
 from collections import deque
 from functools import lru_cache
+from pathlib import Path
 
 from fastapi import FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from jinja2 import DictLoader, Environment
+from tokenizers import Tokenizer
 
 from reservoir.errors import ConfigError, ReservoirError, RowUnknown
 from reservoir.http import Guard, served_hosts
@@ -111,8 +113,12 @@ class Refused(Exception):
 
 @lru_cache(maxsize=8)
 def _tokenizer(model: str):
-    """The tokenizer of a run's model folder (None when it cannot be read here)."""
+    """The tokenizer of a run's model folder (None when it cannot be read here): its
+    tokenizer.json through `tokenizers` (no torch import in a page's request), else
+    transformers' AutoTokenizer."""
     try:
+        if (Path(model) / "tokenizer.json").is_file():
+            return Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model, local_files_only=True)
