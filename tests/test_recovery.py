@@ -18,9 +18,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from rich.console import Console
-from sqlalchemy import text
-
 from reservoir import pool
 from reservoir.config import parse_config
 from reservoir.errors import Abandoned
@@ -29,6 +26,9 @@ from reservoir.monitor import Monitor
 from reservoir.prepare import ensure_run
 from reservoir.store import Experience, Store
 from reservoir.store.engine import sync_engine
+from rich.console import Console
+from sqlalchemy import text
+
 from tests.commands import execute
 from tests.test_run import ledger
 
@@ -196,6 +196,7 @@ def test_the_worker_runs_in_the_main_thread_and_a_second_ctrl_c_leaves_at_once(s
     a CPU), the live view in a thread of its own; the first Ctrl-C asks the worker to stop and
     lets it finish, a second raises Abandoned in the worker at once."""
     worker = StopsSlowly(stopping_s=0.5 if ctrl_cs == 1 else 30)
+    handler = signal.getsignal(signal.SIGINT)  # pytest's, or SIG_IGN in a background job
     for at in range(ctrl_cs):
         threading.Timer(0.3 + 0.3 * at, os.kill, (os.getpid(), signal.SIGINT)).start()
     started = time.monotonic()
@@ -207,7 +208,7 @@ def test_the_worker_runs_in_the_main_thread_and_a_second_ctrl_c_leaves_at_once(s
             pool._in_front(worker, monitor, Console(quiet=True))
         assert time.monotonic() - started < 5
     assert worker.thread is threading.main_thread() and worker.asked.is_set()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler  # put back
     assert [t.name for t in threading.enumerate() if t.name == "monitor"] == []
 
 
