@@ -241,20 +241,36 @@ class StoreConfig(Section):
 
 
 class SamplerConfig(Section):
-    """Flow control: how trainers lease experiences out of the store (see README glossary)."""
+    """Flow control: how trainers lease experiences out of the store (see the glossary,
+    docs/concepts/glossary.md)."""
 
-    unit: Literal["rows", "groups"] = "groups"
-    batch: Count = count(32, 1, 1_000_000)
-    order: Literal["fifo", "lifo", "priority", "uniform"] = "fifo"
-    sample_from: tuple[Literal["ready", "consumed"], ...] = ("ready",)
-    lease_seconds: Number = number(300.0, gt=0, le=7 * DAY)
-    max_staleness: Count | None = count(None, 0, 1_000_000)
-    max_times_sampled: Count = count(1, 1, 1_000_000)
-    samples_per_insert: Number | None = number(None, gt=0, le=1e6)
-    spi_tolerance: Number = number(1024.0, ge=0, le=1e12)
-    min_ready: Count = count(1, 1, 1_000_000_000)
-    wait_timeout_s: Number = number(60.0, ge=0, le=30 * DAY)
-    poll_interval_s: Number = number(0.05, gt=0, le=60)
+    unit: Literal["rows", "groups"] = Field(
+        default="groups", description="what store.lease(run) takes by default: rows, or "
+        "groups (whole groups)")
+    batch: Count = count(32, 1, 1_000_000, "how many rows or groups (see unit) a lease takes "
+                         "by default")
+    order: Literal["fifo", "lifo", "priority", "uniform"] = Field(
+        default="fifo", description="which eligible rows a lease takes first: fifo / lifo (by "
+        "insertion time, then id), priority (highest priority first), uniform (random)")
+    sample_from: tuple[Literal["ready", "consumed"], ...] = Field(
+        default=("ready",), description="statuses a lease takes rows from; add consumed to "
+        "train rows again (needs max_times_sampled > 1)")
+    lease_seconds: Number = number(300.0, gt=0, le=7 * DAY,
+                                   description="a lease not committed by then is reclaimed")
+    max_staleness: Count | None = count(None, 0, 1_000_000, "policy versions: train only rows "
+                                        "whose policy_version >= latest - this (required by "
+                                        "run.mode async; sync mode trains on-policy)")
+    max_times_sampled: Count = count(1, 1, 1_000_000, "most times a row may be sampled")
+    samples_per_insert: Number | None = number(
+        None, gt=0, le=1e6, description="Reverb's SampleToInsertRatio: the target number of "
+        "times each written row is sampled; unset: no rate limit")
+    spi_tolerance: Number = number(1024.0, ge=0, le=1e12, description="rows of slack either "
+                                   "way around samples_per_insert (Reverb's error_buffer)")
+    min_ready: Count = count(1, 1, 1_000_000_000, "ready rows needed before a run's first lease")
+    wait_timeout_s: Number = number(60.0, ge=0, le=30 * DAY, description="how long a lease or "
+                                    "a write waits for flow control")
+    poll_interval_s: Number = number(0.05, gt=0, le=60, description="how often a waiting lease "
+                                     "or write looks again when no notification wakes it")
     dynamic_sampling: bool = Field(
         default=False, description="DAPO's dynamic sampling: a leased group whose rewards are "
         "all equal is set aside (status retired, metadata.set_aside) and replaced by another "
@@ -273,7 +289,9 @@ class SamplerConfig(Section):
 class ModelConfig(Section):
     """The policy: a local Hugging Face folder (build one with `reservoir model tiny`)."""
 
-    path: LocalPath = Path("models/tiny")
+    path: LocalPath = Field(
+        default=Path("models/tiny"), description="a local Hugging Face model folder (its "
+        "config.json's vocab_size becomes the run's: token ids at or past it are refused)")
 
 
 def _generator(value: str | None) -> str | None:
@@ -287,11 +305,14 @@ class TasksConfig(Section):
     """Where tasks come from: a file, or a generator for the CPU examples (neither: a served
     run, whose agents bring their own)."""
 
-    file: LocalPath | None = None
+    file: LocalPath | None = Field(
+        default=None, description="a task file: JSONL, Parquet or CSV (prompt, answer, "
+        "optional split, source, reward, messages), shuffled by run.seed as the run loads it")
     generate: Annotated[str | None, AfterValidator(_generator)] = Field(
         default="reverse", description="addition, reverse, sort, calculator or guess_number")
-    count: Count = count(2000, 1, 10_000_000)
-    test_fraction: Number = number(0.1, ge=0.0, lt=1.0)
+    count: Count = count(2000, 1, 10_000_000, "how many tasks the generator makes")
+    test_fraction: Number = number(0.1, ge=0.0, lt=1.0, description="share of the generated "
+                                   "tasks held out (split test) for evaluation")
 
     @model_validator(mode="after")
     def _one_source(self) -> TasksConfig:
@@ -313,10 +334,12 @@ class ServeConfig(Section):
     host: Annotated[str, AfterValidator(_host)] = Field(
         default="127.0.0.1", description="address to bind; anything but a loopback address "
         "needs the token")
-    port: Count = count(8000, 1, 65_535)
+    port: Count = count(8000, 1, 65_535, "port to bind")
     model_name: RunName | None = Field(default=None, description="the model id clients "
                                        "name; unset: the run's name")
-    token_env: Annotated[str, AfterValidator(_env_name)] = "RESERVOIR_SERVE_TOKEN"
+    token_env: Annotated[str, AfterValidator(_env_name)] = Field(
+        default="RESERVOIR_SERVE_TOKEN", description="the environment variable holding the "
+        "bearer token; once it is set, every request must carry it")
     max_tokens: Count = count(256, 1, 1_000_000, "a call's max_tokens when it gives none")
     max_n: Count = count(16, 1, 1024, "most choices one call may ask for")
     max_request_bytes: Count = count(2 * 2**20, 1024, 2**30, "largest request body taken "
@@ -337,8 +360,10 @@ class ExplorerConfig(Section):
     reward_range: Annotated[tuple[Number, Number], AfterValidator(_reward_range)] = Field(
         default=DEFAULT_REWARD_RANGE, description="rewards (and their components) the store "
         "takes, [low, high] inside float32: a reward or a reported one outside is refused")
-    temperature: Number = number(1.0, gt=0, le=100)
-    max_tokens: Count = count(16, 1, 1_000_000)
+    temperature: Number = number(1.0, gt=0, le=100, description="sampling temperature; "
+                                 "logprobs are recorded under it")
+    max_tokens: Count = count(16, 1, 1_000_000, "most tokens a response (or a turn of an "
+                              "episode) may have")
     batch_tasks: Count = count(8, 1, 100_000, "tasks a worker claims and samples in one batch")
     reward: Annotated[str, _registered("reservoir.explorer.rewards", "REWARDS")] = Field(
         default="exact_match", description="the reward function (a task file's `reward` "
@@ -380,24 +405,51 @@ class AlgorithmConfig(Section):
     """A preset (trainer/presets.py) and the options that override it; unset keys keep the
     preset's values."""
 
-    preset: Annotated[str, AfterValidator(_preset)] = "grpo"
-    advantage: Annotated[str | None, _registered(PIECES, "ADVANTAGES")] = None
-    policy_loss: Annotated[str | None, _registered(PIECES, "POLICY_LOSSES")] = None
-    preference_loss: Annotated[str | None, _registered(PIECES, "PREFERENCE_LOSSES")] = None
-    kl_estimator: Annotated[str | None, _registered(PIECES, "KL_ESTIMATORS")] = None
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
-    clip_low: Number | None = number(None, gt=0, le=1)
-    clip_high: Number | None = number(None, gt=0, le=100)
-    dual_clip: Number | None = number(None, gt=1, le=1e6)
-    kl_coef: Number | None = number(None, ge=0, le=1e3)
-    kl_in: Literal["loss", "reward"] | None = None
-    entropy_coef: Number | None = number(None, ge=0, le=1e3)
-    gamma: Number | None = number(None, ge=0, le=1)
-    lam: Number | None = number(None, ge=0, le=1)
-    tau: Number | None = number(None, gt=0, le=1e6)
-    opmd_baseline: Literal["mean", "logavgexp"] | None = None
-    beta: Number | None = number(None, gt=0, le=1e6)
-    value_clip: Number | None = number(None, gt=0, le=1e6)
+    preset: Annotated[str, AfterValidator(_preset)] = Field(
+        default="grpo", description="the preset: ppo, grpo, grpo-kl, dr-grpo, rloo, "
+        "reinforce++, gspo, cispo, opmd, sft or dpo")
+    advantage: Annotated[str | None, _registered(PIECES, "ADVANTAGES")] = Field(
+        default=None, description="advantage estimator (gae, grpo, dr-grpo, rloo, "
+        "reinforce++, opmd, none); unset: the preset's")
+    policy_loss: Annotated[str | None, _registered(PIECES, "POLICY_LOSSES")] = Field(
+        default=None, description="policy loss (ppo, gspo, cispo, opmd, sft); unset: the "
+        "preset's")
+    preference_loss: Annotated[str | None, _registered(PIECES, "PREFERENCE_LOSSES")] = Field(
+        default=None, description="preference loss (dpo): the algorithm then trains on "
+        "chosen/rejected pairs; unset: the preset's")
+    kl_estimator: Annotated[str | None, _registered(PIECES, "KL_ESTIMATORS")] = Field(
+        default=None, description="KL estimator: k1, k2 or k3; unset: the preset's (k1 for "
+        "reinforce++, else k3)")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = Field(
+        default=None, description="how token losses become the loss; unset: the preset's")
+    clip_low: Number | None = number(None, gt=0, le=1, description="lower clip of the "
+                                     "importance ratio (1 - clip_low); unset: the preset's")
+    clip_high: Number | None = number(None, gt=0, le=100, description="upper clip of the "
+                                      "importance ratio (1 + clip_high); unset: the preset's")
+    dual_clip: Number | None = number(None, gt=1, le=1e6, description="PPO's dual clip c > 1, "
+                                      "bounding the loss of negative advantages; unset: the "
+                                      "preset's")
+    kl_coef: Number | None = number(None, ge=0, le=1e3, description="weight of the KL to the "
+                                    "frozen stage-start policy (> 0 loads that reference); "
+                                    "unset: the preset's")
+    kl_in: Literal["loss", "reward"] | None = Field(
+        default=None, description="loss: a KL term in the loss; reward: -kl_coef x KL folded "
+        "into each token's reward, from the sampling logprobs; unset: the preset's")
+    entropy_coef: Number | None = number(None, ge=0, le=1e3, description="weight of an entropy "
+                                         "bonus; unset: the preset's (0)")
+    gamma: Number | None = number(None, ge=0, le=1, description="discount (reinforce++, gae); "
+                                  "unset: the preset's (1)")
+    lam: Number | None = number(None, ge=0, le=1, description="GAE's lambda; unset: the "
+                                "preset's (0.95)")
+    tau: Number | None = number(None, gt=0, le=1e6, description="OPMD's temperature; unset: "
+                                "the preset's (1)")
+    opmd_baseline: Literal["mean", "logavgexp"] | None = Field(
+        default=None, description="OPMD's baseline: the group mean or tau-logavgexp; unset: "
+        "the preset's (mean)")
+    beta: Number | None = number(None, gt=0, le=1e6, description="DPO's beta; unset: the "
+                                 "preset's (0.1)")
+    value_clip: Number | None = number(None, gt=0, le=1e6, description="clipping of the "
+                                       "critic's value loss; unset: the preset's (0.2)")
     epochs: Count | None = count(None, 1, 1000, "passes over each step's batch (PPO epochs); "
                                  "the step still consumes one batch and commits once")
     mini_batches: Count | None = count(None, 1, 100_000, "optimizer updates per pass, each on "
@@ -429,7 +481,8 @@ class CriticConfig(Section):
 
     path: LocalPath | None = Field(default=None, description="a Hugging Face model folder whose "
                               "decoder becomes the critic; unset: a copy of the policy's start")
-    lr: Number = number(1e-3, gt=0, le=1)
+    lr: Number = number(1e-3, gt=0, le=1, description="the critic's learning rate (its own "
+                        "AdamW)")
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -457,14 +510,15 @@ class TrainerConfig(Section):
     algorithm: AlgorithmChoice = Field(
         default=AlgorithmConfig(), description="a preset name (ppo, grpo, grpo-kl, dr-grpo, "
         "rloo, reinforce++, gspo, cispo, opmd, sft, dpo) or {preset: NAME, option: value, ...}")
-    critic: CriticConfig = CriticConfig()
+    critic: CriticConfig = Field(default=CriticConfig(), description="PPO's value model "
+                                 "(algorithms whose advantage is gae)")
     lora: LoraConfig | None = Field(default=None, description="train LoRA adapters instead of "
                                     "every weight: {rank: 8} or {rank, alpha, dropout, "
                                     "target_modules}; unset: full fine-tuning")
-    lr: Number = number(1e-3, gt=0, le=1)
+    lr: Number = number(1e-3, gt=0, le=1, description="learning rate (AdamW)")
     weight_decay: Number = number(0.0, ge=0, le=1, description="AdamW's decoupled weight decay "
                                   "of matrices (never biases or norms); 0, as TRL's default")
-    batch_groups: Count = count(8, 1, 100_000)
+    batch_groups: Count = count(8, 1, 100_000, "whole groups a step leases and trains on")
     micro_batch: Count = count(16, 1, 1_000_000, "rows per micro-batch when packing is off "
                                "(and per preference micro-batch)")
     packing: bool = Field(default=True, description="micro-batches are their rows' tokens back "
@@ -473,16 +527,20 @@ class TrainerConfig(Section):
                           "padded to the batch's longest, micro_batch rows at a time")
     micro_batch_tokens: Count = count(4096, 1, 100_000_000, "tokens per packed micro-batch "
                                       "(a longer row goes alone)")
-    sync_interval: Count = count(1, 1, 1_000_000)
-    steps: Count = count(50, 1, 100_000_000)
-    eval_interval: Count = count(10, 1, 100_000_000)
+    sync_interval: Count = count(1, 1, 1_000_000, "steps between published policy versions")
+    steps: Count = count(50, 1, 100_000_000, "RL steps of trainer.algorithm (without stages)")
+    eval_interval: Count = count(10, 1, 100_000_000, "steps between held-out evaluations "
+                                 "(greedy, the test split); also at step 0 and each stage's end")
     warmup_steps: Count = count(0, 0, 100_000_000, "supervised warm-up steps first")
     warmup_fraction: Number = number(0.5, gt=0, le=1,
                                      description="share of the train tasks the warm-up sees")
-    warmup_batch: Count = count(32, 1, 1_000_000)
-    warmup_lr: Number = number(3e-3, gt=0, le=1)
-    checkpoint_interval: Count = count(10, 1, 100_000_000)
-    checkpoint_dir: LocalPath = Path("checkpoints")
+    warmup_batch: Count = count(32, 1, 1_000_000, "tasks per warm-up step")
+    warmup_lr: Number = number(3e-3, gt=0, le=1, description="the warm-up's learning rate")
+    checkpoint_interval: Count = count(10, 1, 100_000_000, "steps between checkpoints (model, "
+                                       "optimizer, RNG and step, under checkpoint_dir/RUN/step-N)")
+    checkpoint_dir: LocalPath = Field(
+        default=Path("checkpoints"), description="folder of checkpoints and of published "
+        "weights (RUN/policy/vN.safetensors); explorers on other machines need it shared")
     threads: Count | None = count(None, 1, 1024, "torch threads; unset: every core in sync "
                                   "mode, a share of them in async mode")
     wait_timeout_s: Number = number(1800.0, gt=0, le=30 * DAY,
@@ -513,11 +571,13 @@ class StoredData(Section):
 
     runs: tuple[RunName, ...] = Field(default=(), description="runs whose rows are read; "
                                       "empty: this run")
-    status: tuple[Literal["ready", "consumed", "quarantined", "retired"], ...] = ("consumed",)
+    status: tuple[Literal["ready", "consumed", "quarantined", "retired"], ...] = Field(
+        default=("consumed",), description="statuses of the rows read")
     where: Annotated[str | None, AfterValidator(expression)] = Field(
         default=None, description="a boolean SQL expression over experiences' columns (run "
         "alone, read-only, like a pipeline's)")
-    order: Literal["id", "reward", "random"] = "id"
+    order: Literal["id", "reward", "random"] = Field(
+        default="id", description="the order rows are read in: id, reward or random")
     select: Literal["groups", "best"] = Field(
         default="groups", description="groups: whole groups; best: each group's "
         "highest-reward response (e.g. SFT on an earlier run's best answers)")
@@ -536,10 +596,14 @@ class StageData(Section):
     """Exactly one source: explorers (the run's own rollouts), tasks (SFT on the run's train
     tasks' answers), stored rows, or preference pairs."""
 
-    explorers: bool = False
-    tasks: bool = False
-    stored: StoredData | None = None
-    preferences: PreferenceData | None = None
+    explorers: bool = Field(default=False, description="lease the run's groups, as explorers "
+                            "write them (`data: explorers`)")
+    tasks: bool = Field(default=False, description="sft on the answers (or demonstrations) of "
+                        "the first trainer.warmup_fraction of the train tasks (`data: tasks`)")
+    stored: StoredData | None = Field(default=None, description="experiences already in the "
+                                      "store, read, not leased")
+    preferences: PreferenceData | None = Field(default=None, description="chosen/rejected "
+                                               "pairs leased from preferences")
 
     @model_validator(mode="after")
     def _one_source(self) -> StageData:
@@ -563,13 +627,16 @@ def _stage_data(value):
 class StageConfig(Section):
     """One stage of a run: an algorithm trained for `steps` steps on one data source."""
 
-    name: RunName
-    algorithm: AlgorithmChoice
+    name: RunName = Field(description="the stage's name (train_steps.stage; unique in the run)")
+    algorithm: AlgorithmChoice = Field(description="a preset name or {preset: NAME, option: "
+                                       "value, ...}, as trainer.algorithm")
     steps: Count = Field(ge=1, le=100_000_000, description="optimizer steps (required)")
     lr: Number | None = number(None, gt=0, le=1, description="unset: trainer.lr")
     batch: Count | None = count(None, 1, 1_000_000, "groups (pairs for preferences, tasks "
                                 "for tasks) per step; unset: trainer.batch_groups")
-    data: Annotated[StageData, BeforeValidator(_stage_data)] = StageData(explorers=True)
+    data: Annotated[StageData, BeforeValidator(_stage_data)] = Field(
+        default=StageData(explorers=True), description="explorers, tasks, {stored: {...}} or "
+        "{preferences: {...}}")
 
     @model_validator(mode="after")
     def _data_fits_algorithm(self) -> StageConfig:
@@ -584,7 +651,8 @@ class StageConfig(Section):
 
 
 class RunSection(Section):
-    name: RunName = "run"
+    name: RunName = Field(default="run", description="1-100 letters, digits, '.', '_', '-', "
+                          "starting with a letter or digit (it names folders and rows)")
     mode: Literal["sync", "async"] = Field(
         default="sync", description="sync: on-policy; async: explorers run ahead by at most "
         "sampler.max_staleness policy versions")
@@ -593,7 +661,7 @@ class RunSection(Section):
         "processes of their own (Ray), each holding the model; colocated: one process holds "
         "one model on trainer.device and alternates generating a round with it and training "
         "on it (one device, no weight files between the two)")
-    seed: Count = count(0, 0, 2**32 - 1)
+    seed: Count = count(0, 0, 2**32 - 1, "seeds the run: task shuffling, sampling, training")
     branch_from: Annotated[str | None, AfterValidator(_branch)] = Field(
         default=None, description="RUN@STEP (`--from`): start from that run's weights at that "
         "step, with its tasks and, for stored-data stages, its experiences up to that step")
@@ -609,13 +677,18 @@ class RunSection(Section):
 class ReservoirConfig(Section):
     """The whole config file."""
 
-    run: RunSection = RunSection()
-    model: ModelConfig = ModelConfig()
-    tasks: TasksConfig = TasksConfig()
-    explorer: ExplorerConfig = ExplorerConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    store: StoreConfig = StoreConfig()
-    sampler: SamplerConfig = SamplerConfig()
+    run: RunSection = Field(default=RunSection(), description="the run: name, mode, "
+                            "placement, seed")
+    model: ModelConfig = Field(default=ModelConfig(), description="the policy model")
+    tasks: TasksConfig = Field(default=TasksConfig(), description="where tasks come from")
+    explorer: ExplorerConfig = Field(default=ExplorerConfig(), description="the explorers: "
+                                     "sampling, reward, workflow, engine, devices")
+    trainer: TrainerConfig = Field(default=TrainerConfig(), description="the trainer: "
+                                   "algorithm, optimizer, batches, checkpoints, devices")
+    store: StoreConfig = Field(default=StoreConfig(), description="where the experience "
+                               "store lives")
+    sampler: SamplerConfig = Field(default=SamplerConfig(), description="flow control: how "
+                                   "trainers lease experiences out of the store")
     stages: tuple[StageConfig, ...] = Field(
         default=(), description="stages in order, each with its algorithm, steps, lr and data; "
         "unset: trainer.warmup_steps of sft on tasks, then trainer.steps of trainer.algorithm "
