@@ -66,6 +66,7 @@ def count(engine, sql: str, **params) -> int:
         return conn.execute(text(sql), params).scalar()
 
 
+@pytest.mark.slow
 def test_archive_removes_the_rows_and_restore_brings_back_every_column(store, tmp_path):
     ids = populate(store)
     before = contents(store.engine)
@@ -229,6 +230,8 @@ def test_retention_archives_an_idle_ended_run_and_retires_old_rows_of_a_recent_o
     assert apply_retention(store, retention).archived == ()  # nothing is archived twice
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_cli_archives_lists_and_restores(cli, store, tmp_path):
     populate(store)
     folder = tmp_path / "archive"
@@ -246,6 +249,7 @@ def test_cli_archives_lists_and_restores(cli, store, tmp_path):
 
 # -- issue 28: archives written through no link, restores of damaged or forged ones ----------
 
+@pytest.mark.process
 def test_an_archive_writes_through_no_link(cli, store, tmp_path):
     """A symlink planted at DIR/experiences.parquet.partial was followed and its target
     overwritten."""
@@ -333,6 +337,8 @@ def archived(cli, store, tmp_path):
     return folder
 
 
+@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_archive_restores_nothing_in_one_line(archived, store, tmp_path, damage,
                                                         new_database, template_db):
@@ -347,6 +353,8 @@ def test_a_damaged_archive_restores_nothing_in_one_line(archived, store, tmp_pat
     assert count(sync_engine(elsewhere), "SELECT count(*) FROM runs") == 0
 
 
+@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("forgery", sorted(FORGED) + ["resealed"])
 def test_a_forged_archive_restores_nothing_in_one_line(archived, cli, store, tmp_path, forgery):
     """A manifest re-sealed to name another run put the archive's rows into it; `../` in it

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 NOWHERE = "postgresql://postgres@127.0.0.1:1/nowhere"  # port 1: nothing listens there
 

@@ -25,6 +25,8 @@ def two_runs(cli):
     return cli
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_db_upgrade_on_an_empty_database_then_already_at(new_database, tmp_path):
     url, head = new_database(), migrate.head_revision()
     first = reservoir("db", "upgrade", url=url, cwd=tmp_path)
@@ -34,12 +36,14 @@ def test_db_upgrade_on_an_empty_database_then_already_at(new_database, tmp_path)
     assert f"already at revision {head}" in second.stdout
 
 
+@pytest.mark.process
 def test_db_status_shows_the_revision(cli):
     out = cli("db", "status")
     head = migrate.head_revision()
     assert f"{head} (code expects {head})" in out and "up to date" in out
 
 
+@pytest.mark.process
 def test_db_url_hides_the_password(tmp_path):
     url = "postgresql://alice:s3cret@db.example:5432/store"
     hidden = reservoir("db", "url", url=url, cwd=tmp_path)
@@ -48,6 +52,8 @@ def test_db_url_hides_the_password(tmp_path):
     assert reservoir("db", "url", "--show-password", url=url, cwd=tmp_path).returncode == 2
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_demo_then_inspect_run_and_experience(cli):
     cli("demo", "store", "--groups", "50", "--steps", "2", "--groups-per-step", "4")
     assert scalar(cli.url, "SELECT count(*) FROM train_steps") == 2
@@ -94,6 +100,7 @@ def test_sql_is_read_only_unless_write(two_runs):
     assert scalar(two_runs.url, "SELECT count(*) FROM runs") == 0
 
 
+@pytest.mark.process
 def test_config_with_an_unknown_key_names_it(cli, tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("store:\n  urll: postgresql://x@y/z\n")
@@ -102,12 +109,15 @@ def test_config_with_an_unknown_key_names_it(cli, tmp_path):
     assert "store.urll (line 2): unknown key; did you mean 'url'?" in result.stderr
 
 
+@pytest.mark.process
 def test_inspect_an_unknown_run_fails_clearly(cli):
     result = cli.raw("inspect", "run", "nosuch")
     assert result.returncode == 1
     assert "run 'nosuch' does not exist" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_pipeline_commands(cli, tmp_path):
     cli("demo", "store", "--groups", "50", "--raw-groups", "20", "--steps", "1")
     pipeline = tmp_path / "gate.yaml"
@@ -142,6 +152,7 @@ def one_line_error(result) -> str:
     return lines[0]
 
 
+@pytest.mark.process
 def test_sql_binds_with_the_cast_idiom_and_refuses_missing_values_in_one_line(cli):
     assert cli("sql", "SELECT :x::int + 1 AS y, :x AS raw", "-p", "x=41", "-f", "csv"
                ).splitlines() == ["y,raw", "42,41"]
@@ -153,12 +164,14 @@ def test_sql_binds_with_the_cast_idiom_and_refuses_missing_values_in_one_line(cl
     assert "not a valid integer" in one_line_error(cli.raw("sql", "SELECT :x::int", "-p", "x=a"))
 
 
+@pytest.mark.process
 def test_errors_print_as_plain_text(cli):
     """Rich markup turned ':x:' in an error into an emoji on main."""
     line = one_line_error(cli.raw("sql", 'SELECT 1 FROM "tbl:x:[bold]"'))
     assert 'relation "tbl:x:[bold]" does not exist' in line
 
 
+@pytest.mark.process
 def test_csv_json_and_table_cells_hold_json(cli):
     query = ("SELECT '{\"a\": 87}'::jsonb AS j, ARRAY[1, 2] AS a, NULL::int AS n, "
              "timestamptz '2026-11-30 12:00:00.123456+00' AS t")
@@ -169,6 +182,8 @@ def test_csv_json_and_table_cells_hold_json(cli):
     assert '{"a": 87}' in table and "[1, 2]" in table and "{'a'" not in table
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_tables_stay_readable_at_80_columns(cli, tmp_path):
     cli("demo", "store", "--groups", "40", "--steps", "2", "--groups-per-step", "4",
         "--raw-groups", "2")
@@ -192,6 +207,8 @@ def test_tables_stay_readable_at_80_columns(cli, tmp_path):
     assert "more columns" not in wide and "created_at" in wide
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_read_commands_leave_an_empty_database_empty(new_database, tmp_path):
     url = new_database()
     for args in (["sql", "SELECT 1"], ["inspect", "run", "x"], ["pipeline", "history"],
@@ -201,6 +218,8 @@ def test_read_commands_leave_an_empty_database_empty(new_database, tmp_path):
     assert scalar(url, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == 0
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_downgrade_to_base_leaves_nothing_of_reservoir(new_database, tmp_path):
     url = new_database()
     assert reservoir("db", "upgrade", url=url, cwd=tmp_path).returncode == 0
@@ -237,6 +256,7 @@ def test_run_steps_keep_step_0_and_the_evaluations(store):
     assert rows == [(0, 0, 0.25), (1, 4, 0.5)]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("url", [
     "postgresql://no_such_role@127.0.0.1:5432/test",
     "postgresql://postgres@no-such-host.invalid:5432/test",
@@ -255,6 +275,8 @@ def test_a_bad_server_url_is_one_line_without_its_password(tmp_path, monkeypatch
     assert "secret" not in line
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_sql_streams_rows_and_stops_at_max_rows(cli):
     """Issue 28: an unbounded SELECT held all its rows in memory (1M rows: 1.9 GB, 345 s, then
     a MemoryError). Rows stream through a cursor: a table shows --max-rows of them (10,000 by

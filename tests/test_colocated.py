@@ -60,6 +60,7 @@ def test_what_a_colocated_run_cannot_be_is_one_line(key, value, message):
         parse_config(raw)
 
 
+@pytest.mark.slow
 def test_a_colocated_run_trains_its_stages_through_the_store(tmp_path, db_url):
     """A warm-up, then GRPO on rounds the trainer's own module generated, a stream pipeline
     deciding in the same process what may train: every step's rows are of the version just
@@ -96,6 +97,7 @@ def test_a_colocated_run_trains_its_stages_through_the_store(tmp_path, db_url):
         pool.explore(parse_config(raw))
 
 
+@pytest.mark.slow
 def test_ppo_with_a_critic_and_a_tool_workflow_run_colocated_and_async(tmp_path, db_url):
     raw = colocated(tmp_path, db_url, run={"mode": "async"}, sampler={"max_staleness": 1},
                     tasks={"generate": "calculator", "count": 60},
@@ -110,6 +112,7 @@ def test_ppo_with_a_critic_and_a_tool_workflow_run_colocated_and_async(tmp_path,
     assert critic_loss == [(3,)]
 
 
+@pytest.mark.slow
 @pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_a_colocated_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
         tmp_path, new_database, template_db):

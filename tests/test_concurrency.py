@@ -39,6 +39,8 @@ def start_together(workers) -> None:
         worker.stdin.flush()
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_concurrent_processes_never_share_a_row(store, db_url):
     store.create_run("r")
     fill(store, "r", 300)  # 1,200 rows
@@ -58,6 +60,8 @@ def test_concurrent_processes_never_share_a_row(store, db_url):
     assert statuses == ["consumed"]
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_sigkill_while_holding_a_lease_loses_nothing(store, db_url):
     store.create_run("r")
     fill(store, "r", 4)

@@ -171,6 +171,8 @@ def broken_plugin(tmp_path):
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_a_plugin_that_fails_to_import_is_named_with_its_error(broken_plugin, tmp_path):
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text("process:\n  - broken_filter: {}\n")
@@ -186,6 +188,8 @@ def test_a_plugin_that_fails_to_import_is_named_with_its_error(broken_plugin, tm
     assert "broken_ops (package broken-ops) failed to import" in " ".join(ops.stdout.split())
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_operators_are_labelled_by_the_package_that_defines_them():
     out = subprocess.run([str(RESERVOIR), "pipeline", "ops", "range"],
                          env={**os.environ, "COLUMNS": "300"}, capture_output=True, text=True,

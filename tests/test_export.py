@@ -14,7 +14,7 @@ from tests.commands import reservoir
 from tests.test_lora import begun, lora_config
 from tests.test_recovery import offline_groups
 
-pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+pytestmark = [pytest.mark.store_agnostic, pytest.mark.slow, pytest.mark.process]  # the same on any server: CI runs it once
 
 
 @pytest.fixture(scope="module")

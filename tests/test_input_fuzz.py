@@ -218,6 +218,8 @@ def test_enough_cases():
     assert total >= 300, total
 
 
+@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("args", [
     ("train", "CONFIG"), ("run", "CONFIG"), ("explore", "CONFIG"),
     ("tasks", "load", "TASKS", "--run", "t"), ("pipeline", "run", "PIPELINE"),
@@ -238,6 +240,8 @@ def test_bad_files_through_the_cli_change_nothing(cli, tmp_path, args):
 
 
 
+@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("args, created", [
     (("tasks", "load", "TASKS", "--run", ""), "runs"),
     (("tasks", "load", "TASKS", "--run", "a b"), "runs"),

@@ -14,7 +14,7 @@ from reservoir.models import build_tiny_model
 from tests.test_recovery import write_config
 from tests.test_run import ledger
 
-pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+pytestmark = [pytest.mark.store_agnostic, pytest.mark.slow, pytest.mark.process]  # the same on any server: CI runs it once
 
 HEAVY = ("ray", "data_juicer", "great_expectations")
 # the real command, plus one line at exit naming the heavy modules it imported

@@ -188,6 +188,7 @@ def test_a_full_run_does_not_load_adapters_nor_a_lora_run_whole_weights(tmp_path
         other.start_from(adapters)
 
 
+@pytest.mark.slow
 def test_a_lora_run_killed_mid_run_resumes_to_the_same_adapters(tmp_path, new_database,
                                                                 template_db):
     """An sft warm-up and a grpo-kl stage, both on adapters, through `reservoir train`: killed

@@ -133,6 +133,8 @@ print(migrate.ensure_schema(engine))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_two_processes_upgrade_the_same_empty_database_once(new_database, engines):
     url = new_database()
     start_at = str(time.time() + 3)  # both processes import first, then race from the same instant

@@ -65,6 +65,8 @@ def test_missing_folder_names_the_path(tmp_path):
         load_model(tmp_path / "nowhere")
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_cli_builds_a_model(tmp_path):
     script = Path(sys.executable).with_name("reservoir")
     done = subprocess.run([str(script), "model", "tiny", str(tmp_path / "m"), "--layers", "3"],

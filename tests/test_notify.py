@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import pytest
 from sqlalchemy import text
 
 from reservoir.pipeline import stream
@@ -20,6 +21,8 @@ def _status_of_first_row(engine, run: str) -> str | None:
                                  "ON r.id = e.run_id WHERE r.name = :run"), {"run": run}).scalar()
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_a_stream_pipeline_moves_a_row_within_100_ms_of_its_insert(store, db_url, tmp_path):
     """`reservoir pipeline run` on a stream, in a process of its own as users run it: timed in
     pytest's process, it shared the interpreter with whatever threads earlier tests left (in CI,
@@ -68,6 +71,8 @@ def test_a_waiting_lease_wakes_when_rows_are_written(make_store):
     assert got["at"] < 2.0, got["at"]  # woken by the write, not by its 5 s poll
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_a_stream_started_before_its_run_waits_for_it_and_for_a_failed_run_s_trainer(
         store, db_url, tmp_path):
     """Issue 28: a stream started before its run existed stopped at once; a stream of a run

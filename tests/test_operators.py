@@ -82,6 +82,8 @@ def test_human_review_router_marks_rows_in_its_range():
     assert [r["review_reason"] for r in out] == [None, "borderline", None]
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_a_plain_data_juicer_recipe_finds_our_operators(tmp_path):
     """dj-process with no Reservoir code in the recipe: the entry point registers ours."""
     data = tmp_path / "rows.jsonl"

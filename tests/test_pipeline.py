@@ -180,6 +180,8 @@ def test_source_where_is_read_only_and_bound(store):
     assert rows(store, "SELECT count(*) FROM experiences") == [(20,)]
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_sigkill_mid_run_changes_nothing_and_a_rerun_completes_once(tmp_path, store, db_url):
     import signal
     import subprocess

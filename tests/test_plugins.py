@@ -21,7 +21,7 @@ from tests.commands import RESERVOIR
 from tests.test_recovery import query
 from tests.test_run import ledger
 
-pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+pytestmark = [pytest.mark.store_agnostic, pytest.mark.process]  # the same on any server: CI runs it once
 
 PLUGIN = Path(__file__).resolve().parent.parent / "examples" / "partial_credit_plugin"
 
@@ -59,6 +59,7 @@ def test_the_installed_package_s_names_are_registered(site):
     assert out.strip() == "{'chars': 0.8} True"
 
 
+@pytest.mark.slow
 def test_a_task_file_names_a_reward_per_row(site, tmp_path, db_url):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("\n".join(json.dumps(row) for row in [
@@ -79,6 +80,7 @@ def test_a_task_file_names_a_reward_per_row(site, tmp_path, db_url):
     assert "char_match" in refused.stderr and query(db_url, "SELECT count(*) FROM tasks") == [(2,)]
 
 
+@pytest.mark.slow
 def test_a_run_explores_with_the_package_s_workflow_and_reward(site, tmp_path, db_url):
     raw = {"run": {"name": "plugin"}, "model": {"path": str(answering_model(tmp_path / "m"))},
            "tasks": {"generate": "reverse", "count": 20},

@@ -202,6 +202,8 @@ def test_no_ready_pair_times_out(store):
     assert time.monotonic() - began >= 0.3
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_review_prefer_records_a_persons_pair(store, cli):
     pooled(store, 1)
     store.create_run("other", group_size=2)

@@ -134,6 +134,7 @@ def test_grpo_kl_loss_changes_with_kl_coef_and_the_reference_stays_frozen(model_
                    PRESETS["grpo-kl"], micro_batch=6)
 
 
+@pytest.mark.slow
 def test_ppo_trains_its_critic_towards_the_returns(model_path, batch):
     model = copy.deepcopy(TransformersEngine(model_path).model).train()
     critic = build_critic(model_path, torch.device("cpu"), lr=1e-2, value_clip=None)

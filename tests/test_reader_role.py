@@ -111,6 +111,7 @@ def test_the_scram_verifier_is_the_one_libpq_computes(store):
     assert ours == libpq
 
 
+@pytest.mark.process
 def test_reader_password_sets_a_scram_verifier(cli, as_admin):
     """Issue 8 review: the command failed (text() read ':ServerKey' as a parameter). Only a
     superuser may set it: the owner is told so in one line."""

@@ -32,6 +32,8 @@ from sqlalchemy import text
 from tests.commands import execute
 from tests.test_run import ledger
 
+pytestmark = pytest.mark.process
+
 RESERVOIR = Path(sys.executable).with_name("reservoir")
 
 
@@ -101,6 +103,7 @@ def trainer_config(tmp_path: Path, side: str, db_url: str, model: Path) -> Path:
         "sampler": {"max_staleness": 100}, "store": {"url": db_url}})
 
 
+@pytest.mark.slow
 @pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_trainer_killed_mid_run_resumes_to_the_same_model(tmp_path, new_database, template_db):
     model = build_tiny_model(tmp_path / "tiny", seed=4)
@@ -136,6 +139,7 @@ def test_trainer_killed_mid_run_resumes_to_the_same_model(tmp_path, new_database
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_killed_explorer_tasks_are_explored_again_and_the_run_finishes(tmp_path, db_url):
     model = build_tiny_model(tmp_path / "tiny", seed=5)
     config_path = write_config(tmp_path / "run.yaml", {
@@ -212,6 +216,7 @@ def test_the_worker_runs_in_the_main_thread_and_a_second_ctrl_c_leaves_at_once(s
     assert [t.name for t in threading.enumerate() if t.name == "monitor"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, db_url):
     model = build_tiny_model(tmp_path / "tiny", seed=6)
@@ -258,6 +263,7 @@ def offline_warm_up_run(tmp_path: Path, side: str, db_url: str, model: Path, war
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_continues_it(tmp_path, db_url):
     """Issue 8: main showed `created` and `-` through the whole warm-up and ignored Ctrl-C
@@ -286,6 +292,7 @@ def test_ctrl_c_in_the_warm_up_stops_within_a_step_and_resume_continues_it(tmp_p
     assert ledger(db_url)["steps"] == list(range(stopped + 10 + 8 + 1))
 
 
+@pytest.mark.slow
 @pytest.mark.store_agnostic  # signals and checkpoints: the same on any server
 def test_a_trainer_killed_in_its_warm_up_resumes_to_the_same_weights(tmp_path, new_database,
                                                                       template_db):
@@ -315,6 +322,7 @@ def test_a_trainer_killed_in_its_warm_up_resumes_to_the_same_weights(tmp_path, n
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_a_step_whose_loss_is_not_finite_is_never_committed(tmp_path, db_url):
     """Issue 28: a row's reward of 1e39 (stored before the writer checked rewards against
     float32) made the loss NaN at step 1 and the run failed after committing it. The step is
@@ -336,6 +344,7 @@ def test_a_step_whose_loss_is_not_finite_is_never_committed(tmp_path, db_url):
     assert query(db_url, "SELECT DISTINCT status FROM experiences") == [("ready",)]
 
 
+@pytest.mark.slow
 def test_a_task_s_groups_and_its_count_commit_together(tmp_path, db_url, as_admin):
     """Issue 28: an explorer wrote a batch's groups and counted their tasks explored in two
     transactions; killed between the two, it left tasks with groups written and not counted,

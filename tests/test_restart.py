@@ -18,6 +18,8 @@ from reservoir.models import build_tiny_model
 from reservoir.store import server
 from tests.test_recovery import RESERVOIR, ledger, query, wait_for, write_config
 
+pytestmark = [pytest.mark.slow, pytest.mark.process]
+
 
 @dataclass(frozen=True)
 class OwnServer:

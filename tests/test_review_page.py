@@ -25,9 +25,9 @@ from tests.test_serve import free_port, responds, served  # noqa: F401 (a fixtur
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HOSTILE = "<script>document.title='owned'</script><b>bold?</b>"
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not Path(CHROMIUM).is_file() and not os.environ.get("RESERVOIR_REQUIRE_BROWSER"),
-    reason="needs Debian's chromium (apt install chromium)")
+    reason="needs Debian's chromium (apt install chromium)")]
 
 
 @pytest.fixture
@@ -108,6 +108,7 @@ def screenshot(page, tmp_path: Path, name: str) -> Path:
     return path
 
 
+@pytest.mark.browser
 def test_a_person_accepts_rejects_labels_and_prefers_in_the_browser(
         held, page_server, browser, db_url, tmp_path):
     _, (first, second, third) = held
@@ -187,6 +188,7 @@ def log_in(client: httpx.Client, reviewer: str = "ana") -> str:
                      + client.get("/").text).group(1)
 
 
+@pytest.mark.process
 def test_a_page_for_one_run_changes_no_other_run(store, review_server, db_url):
     """Started with --run a, it took a review of run b's row and stored a pair of run b."""
     for run in ("a", "b"):
@@ -213,6 +215,7 @@ def test_a_page_for_one_run_changes_no_other_run(store, review_server, db_url):
     assert query(db_url, "SELECT count(*) FROM preferences") == [(0,)]
 
 
+@pytest.mark.process
 def test_tokens_logins_and_sessions(held, review_server):
     """Any token was taken (even 'a'); a made one was printed inside a GET URL; logins could
     be guessed ~200 times a second; a cookie had no expiry and worked after logout."""
@@ -242,6 +245,7 @@ def test_tokens_logins_and_sessions(held, review_server):
     assert time.monotonic() - began >= 2.0
 
 
+@pytest.mark.process
 def test_pairs_compare_responses_to_one_prompt(store, review_server, db_url, tmp_path):
     """Served rows have no task: a pair of two episodes' responses (two prompts) was taken."""
     store.create_run("served")
@@ -262,6 +266,7 @@ def test_pairs_compare_responses_to_one_prompt(store, review_server, db_url, tmp
     assert cli.returncode == 1 and "one prompt" in cli.stderr
 
 
+@pytest.mark.process
 def test_a_multi_turn_episode_is_shown_as_turns(store, review_server, db_url, tmp_path):
     """A multi-turn episode was shown as raw template text; its environment's turns, which
     never train (action mask 0), are marked so."""
@@ -321,6 +326,8 @@ attack();
 </script></body></html>"""
 
 
+@pytest.mark.process
+@pytest.mark.browser
 def test_a_page_of_another_origin_drives_neither_server(held, review_server, served, browser,
                                                         db_url, tmp_path):
     """Issue 28: a page on another origin (here a second local port) posted text/plain to

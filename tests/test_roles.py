@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psycopg2
 
+import pytest
 from reservoir.store import server
 from reservoir.store.urls import OWNER_ROLE, READER_ROLE
 from tests.commands import RESERVOIR, execute
@@ -33,6 +34,8 @@ def logins(embedded_dir: Path) -> list[tuple[str, str]]:
     return re.findall(r"connection authorized: user=(\S+) database=(\S+)", text)
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_no_session_of_the_embedded_default_but_role_making_is_a_superuser(embedded_dir):
     url = server.start(embedded_dir)
     assert f"//{OWNER_ROLE}@" in url

@@ -42,6 +42,8 @@ def ledger(db_url) -> dict:
         return {name: conn.execute(text(sql)).scalar() for name, sql in LEDGER.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.both_servers
 def test_sync_run_is_on_policy_and_every_step_has_its_ledger(tmp_path, db_url):
     summary = pool.run(run_config(tmp_path, db_url))
     assert (summary.steps, summary.version) == (4, 4)
@@ -67,6 +69,7 @@ def test_sync_run_is_on_policy_and_every_step_has_its_ledger(tmp_path, db_url):
     assert all(f'src="{name}.png"' in page.read_text() for name in names)
 
 
+@pytest.mark.slow
 def test_async_run_stays_within_max_staleness(tmp_path, db_url):
     config = run_config(tmp_path, db_url, run={"name": "r", "mode": "async"},
                         sampler={"max_staleness": 1},
@@ -92,6 +95,8 @@ def test_bad_run_configs_name_the_key(tmp_path, db_url):
         parse_config({"run": {"mode": "async"}})
 
 
+@pytest.mark.slow
+@pytest.mark.both_servers
 def test_a_stream_pipeline_decides_what_the_trainer_may_lease(tmp_path, db_url):
     pipeline = tmp_path / "gate.yaml"
     pipeline.write_text("mode: stream\nsource: {status: [raw]}\n"

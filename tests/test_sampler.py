@@ -137,6 +137,7 @@ def test_samples_per_insert_blocks_a_trainer_ahead_of_explorers(make_store):
     assert len(lease.rows) == 4 and time.monotonic() - started >= 0.25
 
 
+@pytest.mark.slow
 def test_samples_per_insert_blocks_explorers_ahead_of_the_trainer(make_store):
     store = make_store(samples_per_insert=1.0, spi_tolerance=8)  # window [1 - 8, 1 + 8]
     store.create_run("r")
@@ -149,6 +150,7 @@ def test_samples_per_insert_blocks_explorers_ahead_of_the_trainer(make_store):
     assert store.write_groups([make_group("r", seed=5)]).rows == 4
 
 
+@pytest.mark.slow
 def test_a_writer_waiting_for_room_holds_no_transaction_open(make_store):
     """While explorers are ahead, a write waits before its transaction: no snapshot, no locks,
     no pooled connection held while it waits."""

@@ -67,6 +67,8 @@ def test_a_locked_schedule_is_left_to_its_holder_and_runs_once(store, pipeline):
     assert 9 <= missed <= 10 and later
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_two_schedulers_run_a_due_pipeline_exactly_once(store, pipeline, db_url):
     add_schedule(store, pipeline, "* * * * *")
     make_due(store, minutes=1)

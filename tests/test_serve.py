@@ -24,6 +24,8 @@ from reservoir.store import Store, codec
 from tests.test_recovery import RESERVOIR, finish, query, start, wait_for, write_config
 from tests.test_restart import own_server  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.slow
+
 
 USER = [{"role": "user", "content": "Reverse: abc"}]
 
@@ -223,6 +225,7 @@ def test_a_token_guards_the_server_and_is_required_off_loopback(served, db_url):
     assert counts(db_url) == (1, 0, 1)
 
 
+@pytest.mark.process
 def test_a_database_outage_is_a_503_and_nothing_is_half_written(tmp_path, own_server):
     url, stop, start_again = own_server.url, own_server.stop, own_server.start
     port = free_port()

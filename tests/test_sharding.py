@@ -99,6 +99,7 @@ def pooled(config, checkpoint: Path, steps: list[tuple[int, list]], save_at: int
     return saved, held, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora, algorithm", [
     (None, "grpo-kl"),                                    # a sharded frozen reference
     ({"rank": 4, "target_modules": ["q_proj", "up_proj"]}, "grpo-kl"),   # the base as one
@@ -134,6 +135,7 @@ def test_two_sharded_ranks_train_the_weights_the_unsharded_pool_trains(tmp_path,
             assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-5), name
 
 
+@pytest.mark.slow
 def test_bf16_compute_and_gradient_checkpointing_keep_float32_shards(tmp_path, db_url, tiny,
                                                                     batches):
     """dtype bfloat16 (the layers gathered in bf16, gradients reduced in float32) with gradient
@@ -161,6 +163,7 @@ def test_bf16_compute_and_gradient_checkpointing_keep_float32_shards(tmp_path, d
     assert moments and all(meta.properties.dtype == torch.float32 for meta in moments)
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_loads_at_another_world_size(tmp_path, db_url, tiny, batches):
     """Two ranks (resuming an unsharded checkpoint) write a checkpoint one rank resumes, and
     one rank's a two-rank pool resumes: each ends with the weights of two ranks that were
@@ -184,6 +187,7 @@ def test_a_sharded_checkpoint_loads_at_another_world_size(tmp_path, db_url, tiny
             torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_a_sharded_run_ends_where_the_unsharded_pools_run_ends(tmp_path, new_database,
                                                                 template_db):
     """`reservoir train`: an sft warm-up, then grpo-kl against the stage's reference, with

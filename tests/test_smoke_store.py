@@ -1,3 +1,5 @@
+import pytest
+
 from tests.commands import scalar
 from tests.factories import fill
 
@@ -11,6 +13,7 @@ def test_write_lease_commit_roundtrip(store):
     assert step_id > 0
 
 
+@pytest.mark.slow
 def test_a_run_waiting_too_long_for_its_partitions_is_refused_in_one_line(store):
     """Creating a run attaches its partitions, which waits for locks on the experience tables
     (at most 10 s): held longer (an archive holds them), the run is refused in one line that

@@ -119,6 +119,7 @@ def owner_reads(url: str, statement: str):
     return asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_hundreds_of_hostile_statements_change_nothing_and_leak_nothing(loaded):
     url, before = loaded.url, fingerprint(loaded.url)
     reader = with_user(url, READER_ROLE)
@@ -147,6 +148,7 @@ def test_hundreds_of_hostile_statements_change_nothing_and_leak_nothing(loaded):
     assert refused > 2 * len(STATEMENTS)  # as the reader, all but a few plain SELECTs fail
 
 
+@pytest.mark.slow
 def test_hundreds_of_hostile_where_clauses_select_only_their_run_and_statuses(loaded):
     url, before = loaded.url, fingerprint(loaded.url)
     run_id = scalar(url, "SELECT id FROM runs WHERE name = 'r'")

@@ -17,7 +17,7 @@ from reservoir.store import Store
 from tests.test_recovery import (finish, offline_groups, query, start, trainer_config, wait_for,
                                  write_config)
 
-pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+pytestmark = [pytest.mark.store_agnostic, pytest.mark.slow]  # the same on any server: CI runs it once
 
 STAGES = [
     {"name": "warm", "algorithm": "sft", "steps": 4, "batch": 4, "lr": 3e-3, "data": "tasks"},

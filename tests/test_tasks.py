@@ -75,6 +75,8 @@ def test_generated_file_round_trips_into_the_store(tmp_path, store):
     assert len(ids) == 20 and stored[0].payload["word"][::-1] == stored[0].answer
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_cli_load_is_all_or_nothing(tmp_path, db_url):
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
     write_task_file(addition(30, seed=0), good)
@@ -92,6 +94,8 @@ def test_cli_load_is_all_or_nothing(tmp_path, db_url):
     assert count.stdout.splitlines()[1] == "30"
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_cli_load_shuffles_a_files_order_as_a_run_does(tmp_path, db_url):
     """Issue 30: a file listing one family of tasks after another kept its order through
     `reservoir tasks load`, so explorers (which claim in id order) saw one family for a whole

@@ -30,7 +30,7 @@ from tests.test_recovery import (finish, offline_groups, query, start, trainer_c
 from tests.test_restart import own_server  # noqa: F401 (a fixture)
 from tests.test_run import ledger
 
-pytestmark = pytest.mark.store_agnostic  # the same on any server: CI runs it once
+pytestmark = [pytest.mark.store_agnostic, pytest.mark.slow]  # the same on any server: CI runs it once
 
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 
 from reservoir.errors import ConfigError  # noqa: E402
 from reservoir.explorer.engine import chat_ids  # noqa: E402

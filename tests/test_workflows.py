@@ -66,6 +66,7 @@ def tool_episode(policy):
     return episode
 
 
+@pytest.mark.slow
 def test_an_episode_holds_model_turns_with_mask_1_and_tool_turns_with_mask_0(calc_engine):
     torch.manual_seed(0)
     with Batcher(calc_engine) as batcher:
