@@ -10,11 +10,11 @@ A runnable example is a fenced block of class `runnable` in a page under docs/:
 
 Each page's runnable blocks run in order against one fresh database at the schema's head, in an
 empty folder holding the page's files (its code blocks with a `title="NAME"`, indented ones
-inside an admonition too). A `$ ` line is a
-`reservoir` command (continued on the next lines while a quote is open; `# ...` is a comment);
-the lines up to the next `$ ` are its output: each must match a line of what the command printed,
-in order, where `...` in a line stands for any text and a line of `...` alone for any lines. An
-output with an `error:` line expects exit code 1, any other 0. Python blocks of class `runnable`
+inside an admonition too). A `$ ` line is a `reservoir` command, after optional `NAME=value`
+settings of its environment (continued on the next lines while a quote is open; `# ...` is a
+comment). The lines up to the next `$ ` are its output (stdout and stderr, 80 columns wide), as
+printed but for trailing spaces, where `...` in a line stands for any text and a line of `...`
+alone for any number of lines. An output with an `error:` line expects exit code 1, any other 0. Python blocks of class `runnable`
 run with RESERVOIR_DB_URL set to a fresh database.
 
 DOCS_SHOW=1 prints what each command printed (to paste into a page) and checks nothing.
@@ -35,7 +35,7 @@ import reservoir.config as config_module
 from pydantic import BaseModel
 from reservoir.config import ReservoirConfig
 
-from tests.commands import RESERVOIR
+from tests.commands import RESERVOIR, command_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -196,8 +196,7 @@ def matches(expected: list[str], actual: list[str]) -> bool:
 
 def run_example(example: Example, url: str, cwd: Path) -> subprocess.CompletedProcess:
     words = shlex.split(example.command, comments=True)
-    env = {key: value for key, value in os.environ.items() if not key.startswith("RESERVOIR_")}
-    env.update(RESERVOIR_DB_URL=url, COLUMNS="80", NO_COLOR="1")
+    env = {**command_env(url), "COLUMNS": "80", "NO_COLOR": "1"}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
         key, _, value = words.pop(0).partition("=")
         env[key] = value
@@ -206,6 +205,7 @@ def run_example(example: Example, url: str, cwd: Path) -> subprocess.CompletedPr
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
 
 
+@pytest.mark.slow  # a page's commands take 1 to 6 s together
 @pytest.mark.process
 @pytest.mark.parametrize("page", CONSOLE_PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 def test_console_examples_run_as_shown(page, db_url, tmp_path):
