@@ -29,7 +29,7 @@ from reservoir.config import parse_config  # noqa: E402
 from reservoir.models import build_tiny_model  # noqa: E402
 from reservoir.operators.preferences import PreferencePairMapper  # noqa: E402
 from reservoir.store import Store  # noqa: E402
-from reservoir.trainer.presets import PRESETS  # noqa: E402
+from reservoir.plan.presets import PRESETS  # noqa: E402
 
 EXPLORER_PRESETS = [name for name in PRESETS if name not in ("sft", "dpo")]
 console = Console()

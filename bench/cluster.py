@@ -47,7 +47,7 @@ from sqlalchemy import text
 
 from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
 from reservoir.store import Store, server
-from reservoir.store.urls import redact
+from reservoir.plan.urls import redact
 from reservoir.store.runs import delete_run
 
 from store import make_pool, run_main, timed_leases, timed_writes  # bench/store.py

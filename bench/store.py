@@ -76,7 +76,7 @@ from sqlalchemy.engine import make_url
 from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
 from reservoir.errors import StoreError
 from reservoir.store import Experience, Store, codec
-from reservoir.store.urls import redact
+from reservoir.plan.urls import redact
 from reservoir.store.retry import describe_outage, is_outage
 from reservoir.store.runs import delete_run
 from reservoir.store.sampler import lease_statement

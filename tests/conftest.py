@@ -19,7 +19,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from reservoir.config import SamplerConfig
-from reservoir.store import Store, migrate, roles, server, urls
+from reservoir.plan import urls
+from reservoir.store import Store, migrate, roles, server
 from reservoir.store.engine import sync_engine
 from tests.commands import execute, reservoir
 

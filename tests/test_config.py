@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from reservoir.config import ReservoirConfig, StoreConfig, load_config
-from reservoir.store.urls import DB_URL_ENV
+from reservoir.plan.urls import DB_URL_ENV
 from reservoir.errors import ConfigError
 
 

@@ -18,7 +18,7 @@ import psycopg2
 import pytest
 
 from reservoir.store import direct, usersql
-from reservoir.store.urls import READER_ROLE, with_user
+from reservoir.plan.urls import READER_ROLE, with_user
 from tests.factories import fill
 from tests.commands import RESERVOIR, command_env, reservoir, scalar
 

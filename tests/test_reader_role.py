@@ -11,7 +11,7 @@ import pytest
 from reservoir.errors import StoreError
 from reservoir.store.inspect import run_sql
 from reservoir.store.tasks import add_tasks
-from reservoir.store.urls import READER_ROLE, with_user
+from reservoir.plan.urls import READER_ROLE, with_user
 from tests.commands import RESERVOIR, execute, scalar
 from tests.factories import fill
 

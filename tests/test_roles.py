@@ -15,7 +15,7 @@ import psycopg2
 
 import pytest
 from reservoir.store import server
-from reservoir.store.urls import OWNER_ROLE, READER_ROLE
+from reservoir.plan.urls import OWNER_ROLE, READER_ROLE
 from tests.commands import RESERVOIR, execute
 
 

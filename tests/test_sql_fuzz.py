@@ -15,7 +15,7 @@ import pytest
 from reservoir.errors import ReservoirError
 from reservoir.store import direct, usersql
 from reservoir.store.inspect import run_sql
-from reservoir.store.urls import READER_ROLE, with_user
+from reservoir.plan.urls import READER_ROLE, with_user
 from reservoir.store.source import Source, select_rows
 from tests.commands import scalar
 from tests.factories import fill

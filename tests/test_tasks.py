@@ -149,3 +149,10 @@ def test_a_nul_in_a_csv_cell_is_named(tmp_path):
     path.write_bytes(b"prompt,answer\nfine,1\nbad\x00cell,2\n")
     with pytest.raises(ConfigError, match=r"bad.csv row 2: column 'prompt' .* NUL"):
         read_task_file(path)
+
+
+def test_the_config_knows_every_generator_by_name():
+    from reservoir.explorer.tasks import GENERATORS
+    from reservoir.plan.tasks import GENERATOR_NAMES
+
+    assert tuple(GENERATORS) == GENERATOR_NAMES

@@ -154,7 +154,7 @@ def model_export(
     generation config) that transformers and vLLM load."""
     from reservoir.config import checked_checkpoint, parse_config
     from reservoir.export import export
-    from reservoir.prepare import find_checkpoint
+    from reservoir.plan.weights import find_checkpoint
     from reservoir.store.runs import config_of
 
     run, step = checked_checkpoint(source, "RUN@STEP")

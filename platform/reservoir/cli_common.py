@@ -46,7 +46,8 @@ class Target:
 def target(path: Optional[Path]) -> Target:
     """Resolved without the config models when no -c is given (RESERVOIR_DB_URL, else the
     embedded server under the working directory, attached without loading the wheel)."""
-    from reservoir.store import server, urls
+    from reservoir.plan import urls
+    from reservoir.store import server
 
     if path is None:
         url = urls.from_env() or server.start(Path(urls.DEFAULT_DATA_DIR))
@@ -72,7 +73,7 @@ def external_error(exc: BaseException) -> str | None:
     module = type(exc).__module__.split(".")[0]
     if module in ("sqlalchemy", "psycopg2", "asyncpg") or isinstance(exc, ConnectionError):
         original = getattr(exc, "orig", None) or exc
-        from reservoir.store.urls import redact_text
+        from reservoir.plan.urls import redact_text
 
         text = str(original).strip().splitlines()
         return redact_text(f"the database: {text[0] if text else type(original).__name__}")

@@ -29,7 +29,7 @@ def db_upgrade(config: Optional[Path] = ConfigOption,
                revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Upgrade the schema (idempotent)."""
     from reservoir.store import migrate
-    from reservoir.store.urls import redact
+    from reservoir.plan.urls import redact
 
     url, engine = _engine(config)
     before = migrate.current_revision(engine)
@@ -45,7 +45,7 @@ def db_downgrade(revision: str = typer.Argument(..., help="Target revision, e.g.
                  config: Optional[Path] = ConfigOption) -> None:
     """Downgrade the schema (drops what later revisions added)."""
     from reservoir.store import migrate
-    from reservoir.store.urls import redact
+    from reservoir.plan.urls import redact
 
     url, engine = _engine(config)
     migrate.downgrade(engine, revision)
@@ -57,7 +57,7 @@ def db_downgrade(revision: str = typer.Argument(..., help="Target revision, e.g.
 def db_status(config: Optional[Path] = ConfigOption) -> None:
     """Where the store is, and whether its schema is current."""
     from reservoir.store import migrate
-    from reservoir.store.urls import redact
+    from reservoir.plan.urls import redact
 
     cfg = _config(config)
     url, engine = _engine(config)
@@ -75,7 +75,7 @@ def db_status(config: Optional[Path] = ConfigOption) -> None:
 def db_url(config: Optional[Path] = ConfigOption) -> None:
     """Print the store's URL, its password as *** (starting the embedded server if needed)."""
     from reservoir.cli_common import target
-    from reservoir.store.urls import redact
+    from reservoir.plan.urls import redact
 
     print(redact(target(config).url))
 
@@ -114,7 +114,8 @@ def db_password(
         config: Optional[Path] = ConfigOption) -> None:
     """Set the password of Reservoir's owner or reader login (sent as a SCRAM verifier, not in
     clear); only a superuser may: the embedded server's, or a configured URL's login."""
-    from reservoir.store import roles, server, urls
+    from reservoir.plan import urls
+    from reservoir.store import roles, server
 
     logins = {"owner": (urls.OWNER_ROLE, urls.OWNER_PASSWORD_ENV),
               "reader": (urls.READER_ROLE, urls.READER_PASSWORD_ENV)}

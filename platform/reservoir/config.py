@@ -18,8 +18,11 @@ from typing import Annotated, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       ValidationError, model_validator)
 
-from reservoir.errors import ConfigError
-from reservoir.store.urls import DEFAULT_DATA_DIR, UrlError, canonical, from_env, redact_text
+from reservoir.errors import ConfigError, UserSQLError
+from reservoir.plan.presets import PRESETS
+from reservoir.plan.tasks import GENERATOR_NAMES
+from reservoir.plan.urls import DEFAULT_DATA_DIR, UrlError, canonical, from_env, redact_text
+from reservoir.sqltext import check_expression
 from reservoir.yamlfile import line_of, read_yaml
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -66,9 +69,7 @@ def _database_url(value: str | None) -> str | None:
 
 
 def expression(value: str | None) -> str | None:
-    """One boolean SQL expression (usersql.check_expression), checked with the config."""
-    from reservoir.store.usersql import UserSQLError, check_expression
-
+    """One boolean SQL expression (sqltext.check_expression), checked with the config."""
     try:
         if value is not None:
             check_expression(value, "one boolean expression")
@@ -295,9 +296,9 @@ class ModelConfig(Section):
 
 
 def _generator(value: str | None) -> str | None:
-    from reservoir.explorer.tasks import GENERATORS  # no torch: the config stays light
-    if value is not None and value not in GENERATORS:
-        raise ValueError(f"unknown task generator {value!r}; valid: {', '.join(GENERATORS)}")
+    if value is not None and value not in GENERATOR_NAMES:
+        raise ValueError(f"unknown task generator {value!r}; valid: "
+                         f"{', '.join(GENERATOR_NAMES)}")
     return value
 
 
@@ -389,7 +390,6 @@ class ExplorerConfig(Section):
 
 
 def _preset(value: str) -> str:
-    from reservoir.trainer.presets import PRESETS  # no torch: the config stays light
     if value not in PRESETS:
         close = difflib.get_close_matches(value, PRESETS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
@@ -468,7 +468,6 @@ class AlgorithmConfig(Section):
 
     def resolve(self, **extra):
         """The `Algorithm` this names: the preset with every set key replaced."""
-        from reservoir.trainer.presets import PRESETS
         changes = {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
         return PRESETS[self.preset].replace(**changes, **extra)
 

@@ -22,6 +22,10 @@ class StoreError(ReservoirError):
     """The experience store could not do what was asked (connection, schema, SQL)."""
 
 
+class UserSQLError(StoreError):
+    """The SQL text or its parameters were refused before or by the server; nothing changed."""
+
+
 class SchemaOutOfDate(StoreError):
     """The database schema is behind the code: run `reservoir db upgrade`."""
 

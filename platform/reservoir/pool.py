@@ -29,10 +29,11 @@ from reservoir.explorer.workflow import make_workflow
 from reservoir.http import check_free, run_app, url_of
 from reservoir.monitor import Monitor, live
 from reservoir.pipeline.stream import PipelineWorker, stream_spec
-from reservoir.prepare import absolute, branch_checkpoint, check_model, ensure_run
+from reservoir.plan.weights import branch_checkpoint, check_model
+from reservoir.prepare import absolute, ensure_run
 from reservoir.store import Store
 from reservoir.trainer.worker import RunSummary, TrainerWorker
-from reservoir.trainer.stages import total_steps
+from reservoir.plan.stages import total_steps
 
 EXPLORER_RESTARTS = 3  # Ray restarts a dead explorer actor this often, and retries its run
 

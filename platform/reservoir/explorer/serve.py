@@ -43,7 +43,8 @@ from reservoir.errors import (ConfigError, EpisodeClosed, EpisodeForbidden, Epis
                               ExperienceInvalid, FlowControlTimeout)
 from reservoir.explorer.batcher import Batcher
 from reservoir.http import Guard, is_loopback, loads, served_hosts
-from reservoir.explorer.engine import Request, make_engine, take_policy
+from reservoir.explorer.engine import Request, take_policy
+from reservoir.explorer.engines import make_engine
 from reservoir.explorer.openai_api import (ApiError, ChatRequest, Limits, bad, completion,
                                            completion_id, episode_of, episode_secret,
                                            finish_reason, parse_chat, parse_feedback, stream)

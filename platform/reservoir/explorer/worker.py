@@ -21,7 +21,8 @@ import torch
 
 from reservoir.config import ReservoirConfig
 from reservoir.errors import ClaimLost
-from reservoir.explorer.engine import Engine, make_engine, take_policy
+from reservoir.explorer.engine import Engine, take_policy
+from reservoir.explorer.engines import make_engine
 from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.policy import Sampling
 from reservoir.explorer.workflow import Task, explore, make_workflow
@@ -31,8 +32,7 @@ from reservoir.store.pace import Pace, claim_budget
 from reservoir.store.retry import Patience, Resumption, is_outage
 from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of, status_of
 from reservoir.store.tasks import claim_tasks, finishing, release_claims
-from reservoir.trainer.seed import step_seed
-from reservoir.trainer.stages import last_step, plan
+from reservoir.plan.stages import last_step, plan, step_seed
 
 DONE = ("finished", "stopped")  # a failed run waits for its trainer to resume (Resumption)
 IDLE_POLL_S = 1.0  # re-check the store this often even without a notification

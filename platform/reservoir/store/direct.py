@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from reservoir.errors import StoreError
-from reservoir.store import urls
+from reservoir.plan import urls
 from reservoir.store.usersql import describe
 
 SCHEMA_PRESENT = ("SELECT to_regclass('public.alembic_version') IS NOT NULL "

@@ -14,7 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from reservoir.config import StoreConfig
 from reservoir.errors import StoreError
-from reservoir.store import roles, server, urls
+from reservoir.plan import urls
+from reservoir.store import roles, server
 
 
 def resolve_url(config: StoreConfig) -> str:

@@ -26,6 +26,7 @@ from sqlalchemy import Connection, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from reservoir.store.door import Door, reading, writing
 from reservoir.errors import EpisodeClosed, EpisodeForbidden, EpisodeUnknown, StoreError
 from reservoir.store import codec
 from reservoir.store.records import Experience
@@ -185,3 +186,11 @@ def closing(episode: OpenEpisode, reward: float | None):
             raise EpisodeClosed(f"episode {episode.key!r}: a call arrived while its reward was "
                                 "reported; nothing was written, report it again")
     return close
+
+
+class Episodes(Door):
+    """`store.episodes`: served calls grouped into episodes until their feedback."""
+
+    check_caller = reading(check_caller)
+    open_episode = reading(open_episode)
+    record_calls = writing(record_calls)

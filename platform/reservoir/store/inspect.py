@@ -12,7 +12,8 @@ import asyncio
 from typing import Any
 
 from reservoir.errors import StoreError
-from reservoir.store import direct, urls, usersql
+from reservoir.plan import urls
+from reservoir.store import direct, usersql
 from reservoir.store.usersql import Result
 
 

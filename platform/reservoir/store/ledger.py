@@ -14,6 +14,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.types import BigInteger, Float
 
+from reservoir.store.door import Door, reading, writing
 from reservoir.errors import LeaseLost, StoreError
 from reservoir.store.engine import REUSE_PLANS
 from reservoir.store.prepared import Prepared
@@ -204,3 +205,17 @@ def step_history(conn: Connection, run: str) -> list[tuple]:
 def staleness_counts(conn: Connection, run: str) -> list[tuple[int, int]]:
     """(staleness in versions, trained rows) of a run's ledger."""
     return [tuple(row) for row in conn.execute(STALENESS, {"run": run})]
+
+
+class Ledger(Door):
+    """`store.ledger`: train steps, what trained them and their metrics."""
+
+    step_experiences = reading(step_experiences)
+    step_pairs = reading(step_pairs)
+    step_time = reading(step_time)
+    has_step = reading(has_step)
+    last_step = reading(last_step)
+    step_history = reading(step_history)
+    staleness_counts = reading(staleness_counts)
+    record_step = writing(record_step)
+    add_step_metrics = writing(add_step_metrics)

@@ -13,7 +13,7 @@ from sqlalchemy import Engine, text
 
 import reservoir.migrations
 from reservoir.errors import SchemaOutOfDate, StoreError
-from reservoir.store.urls import redact
+from reservoir.plan.urls import redact
 
 
 def alembic_config() -> Config:

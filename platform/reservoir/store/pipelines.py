@@ -17,10 +17,11 @@ from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, and_, 
                         func, insert, literal_column, Numeric, select, text, update)
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 
+from reservoir.store.door import Door, reading, writing
 from reservoir.store.ledger import finite
 from reservoir.store.notify import ROWS_CHANNEL
 from reservoir.store.runs import add_inserted
-from reservoir.store.urls import scrub
+from reservoir.plan.urls import scrub
 from reservoir.store.schema import experience_state as state
 from reservoir.store.schema import (experiences, operator_events, pipeline_runs, reviews, runs, tasks,
                                     validations)
@@ -308,3 +309,16 @@ def history(conn: Connection, pipeline: str | None, limit: int) -> list[dict[str
         stmt = stmt.where(pipeline_runs.c.pipeline == pipeline)
     stmt = stmt.order_by(pipeline_runs.c.id.desc()).limit(limit)
     return [dict(row) for row in conn.execute(stmt).mappings()]
+
+
+class Pipelines(Door):
+    """`store.pipelines`: pipeline runs, what they read and their history."""
+
+    has_rows = reading(has_rows)
+    stored_texts = reading(stored_texts)
+    task_pass_rates = reading(task_pass_rates)
+    run_models = reading(run_models)
+    history = reading(history)
+    start_run = writing(start_run)
+    finish_run = writing(finish_run)
+    mark_abandoned = writing(mark_abandoned)

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, exists, func, insert, or_, select, update
 from sqlalchemy.orm import aliased
 
+from reservoir.store.door import Door, reading, writing
 from reservoir.errors import RowUnknown, StoreError
 from reservoir.store.preferences import Pair, insert_pairs
 from reservoir.store.schema import (experience_state, experiences, preferences, review_actions,
@@ -163,3 +164,14 @@ def recent_actions(conn: Connection, limit: int) -> list[dict[str, Any]]:
                    review_actions.c.detail)
             .order_by(review_actions.c.id.desc()).limit(limit))
     return [dict(row) for row in conn.execute(stmt).mappings()]
+
+
+class Reviews(Door):
+    """`store.reviews`: held rows waiting for a person, their verdicts and preferences."""
+
+    pending = reading(pending)
+    next_pair = reading(next_pair)
+    recent_actions = reading(recent_actions)
+    label = writing(label)
+    set_label = writing(set_label)
+    prefer = writing(prefer)

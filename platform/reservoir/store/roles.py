@@ -24,8 +24,8 @@ import re
 import time
 
 from reservoir.errors import StoreError
-from reservoir.store import urls
-from reservoir.store.urls import OWNER_ROLE, READER_ROLE
+from reservoir.plan import urls
+from reservoir.plan.urls import OWNER_ROLE, READER_ROLE
 
 ITERATIONS = 4096  # PostgreSQL's default scram_iterations
 _VERIFIER = re.compile(r"SCRAM-SHA-256\$\d+:[A-Za-z0-9+/=]+\$[A-Za-z0-9+/=]+:[A-Za-z0-9+/=]+")

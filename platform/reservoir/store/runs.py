@@ -9,11 +9,12 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
 
+from reservoir.store.door import Door, reading, writing
 from reservoir.errors import StoreError
 from reservoir.store import locks, partitions
 from reservoir.store.notify import ROWS_CHANNEL
 from reservoir.store.schema import experiences, policy_versions, runs, train_steps
-from reservoir.store.urls import scrub
+from reservoir.plan.urls import scrub
 
 
 def insert_run(conn: Connection, name: str, *, group_size: int | None = None,
@@ -238,3 +239,26 @@ def snapshot(conn: Connection, name: str) -> dict[str, Any] | None:
     metrics, the latest held-out accuracy, rows raw / ready / leased, rows inserted."""
     row = conn.execute(SNAPSHOT, {"run": name}).mappings().first()
     return None if row is None else dict(row)
+
+
+class Runs(Door):
+    """`store.runs`: runs, their lineage and published policy versions."""
+
+    run_id_of = reading(run_id_of)
+    config_of = reading(config_of)
+    parent_of = reading(parent_of)
+    latest_policy = reading(latest_policy)
+    latest_versions = reading(latest_versions)
+    listing = reading(listing)
+    snapshot = reading(snapshot)
+    status_of = reading(status_of)
+    version_by = reading(version_by)
+    check_resumable = reading(check_resumable)
+    insert_run = writing(insert_run)
+    create_run = writing(create_run)
+    set_status = writing(set_status)
+    set_progress = writing(set_progress)
+    set_vocab_size = writing(set_vocab_size)
+    set_parent = writing(set_parent)
+    delete_run = writing(delete_run)
+    publish_version = writing(publish_version)

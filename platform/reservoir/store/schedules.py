@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
+from reservoir.store.door import Door, reading, writing
 from reservoir.store.schema import schedules
 
 def add(conn: Connection, *, name: str, pipeline_file: str, cron: str,
@@ -51,3 +52,12 @@ def advance(conn: Connection, schedule_id: int, *, next_run_at: datetime, missed
     conn.execute(update(schedules).where(schedules.c.id == schedule_id).values(
         last_run_at=func.now(), next_run_at=next_run_at,
         missed_runs=schedules.c.missed_runs + missed))
+
+
+class Schedules(Door):
+    """`store.schedules`: pipelines run on a cron schedule."""
+
+    listed = reading(listed)
+    due = reading(due)
+    add = writing(add)
+    remove = writing(remove)

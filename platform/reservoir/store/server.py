@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from reservoir.errors import StoreError
-from reservoir.store.urls import OWNER_ROLE
+from reservoir.plan.urls import OWNER_ROLE
 
 DATABASE = "reservoir"
 SUPERUSER = "postgres"

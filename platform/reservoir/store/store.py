@@ -21,9 +21,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from reservoir.config import (DEFAULT_REWARD_RANGE, ReservoirConfig, SamplerConfig,
                               check_reward_range)
 from reservoir.store import engine as engines
-from reservoir.store import ledger, preferences, runs, sampler, writer
+from reservoir.store import (episodes, ledger, pipelines, preferences, reviews, runs, sampler,
+                             schedules, tasks, writer)
 from reservoir.store import migrate as migrations
-from reservoir.store.urls import redact
+from reservoir.plan.urls import redact
 from reservoir.store.loop import LoopThread
 from reservoir.store.preferences import Pair, PairLease
 from reservoir.store.records import Experience
@@ -155,6 +156,14 @@ class Store:
         self.engine: Engine = engines.sync_engine(url)
         self._loop = LoopThread()
         self.aio = AsyncStore(url, flow or SamplerConfig(), self.engine, reward_range)
+        # the families of tables, each method one transaction (reservoir.store.door)
+        self.runs = runs.Runs(self.engine)
+        self.tasks = tasks.Tasks(self.engine)
+        self.ledger = ledger.Ledger(self.engine)
+        self.pipelines = pipelines.Pipelines(self.engine)
+        self.reviews = reviews.Reviews(self.engine)
+        self.schedules = schedules.Schedules(self.engine)
+        self.episodes = episodes.Episodes(self.engine)
 
     @classmethod
     def open(cls, config: ReservoirConfig | None = None, *, quiet: bool = False,

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 from sqlalchemy import Connection, func, insert, literal, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from reservoir.store.door import Door, reading, writing
 from reservoir.errors import ClaimLost
 from reservoir.store.schema import tasks
 
@@ -109,3 +110,15 @@ def mark_explored(conn: Connection, task_ids: list[int], times: int = 1_000_000)
     data); marking them again changes nothing."""
     conn.execute(update(tasks).where(tasks.c.id.in_(task_ids))
                  .values(times_explored=func.greatest(tasks.c.times_explored, times)))
+
+
+class Tasks(Door):
+    """`store.tasks`: a run's tasks and the explorers' claims on them."""
+
+    split_tasks = reading(split_tasks)
+    add_tasks = writing(add_tasks)
+    copy_tasks = writing(copy_tasks)
+    claim_tasks = writing(claim_tasks)
+    release_claims = writing(release_claims)
+    release_run_claims = writing(release_run_claims)
+    mark_explored = writing(mark_explored)

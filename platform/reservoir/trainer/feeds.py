@@ -29,7 +29,7 @@ from reservoir.store.retry import Patience
 from reservoir.store.tasks import mark_explored, split_tasks
 from reservoir.trainer.batch import TrainBatch, make_batch
 from reservoir.trainer.sft import conversation, demonstrations, task_batch
-from reservoir.trainer.stages import Stage
+from reservoir.plan.stages import Stage
 from reservoir.trainer.stored import read_stored
 
 LEASE_POLL_S = 1.0  # between lease attempts, check for a stop request

@@ -29,10 +29,10 @@ from reservoir.trainer.checkpoint import Resumed, load_checkpoint, load_weights_
 from reservoir.trainer.critic import Critic, build_critic
 from reservoir.trainer.optimizer import adamw
 from reservoir.trainer.pairs import preference_step
-from reservoir.trainer.seed import step_seed
+from reservoir.plan.stages import step_seed
 from reservoir.trainer.sharding import (base_of, frozen_copy, full_state, is_sharded, shard,
                                         whole)
-from reservoir.trainer.stages import Stage, plan, stage_at
+from reservoir.plan.stages import Stage, plan, stage_at
 from reservoir.trainer.step import ONE, Precision, Ranks, train_step
 
 

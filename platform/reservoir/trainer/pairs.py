@@ -15,7 +15,7 @@ from reservoir.devices import autocast
 from reservoir.trainer.algorithms import PREFERENCE_LOSSES, call
 from reservoir.trainer.adapters import running
 from reservoir.trainer.batch import TrainBatch, token_logprobs
-from reservoir.trainer.presets import Algorithm
+from reservoir.plan.presets import Algorithm
 from reservoir.trainer.sharding import is_sharded
 from reservoir.trainer.step import (ONE, Precision, Ranks, optimizer_step, sum_gradients,
                                     sum_metrics)

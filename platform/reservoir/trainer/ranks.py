@@ -59,7 +59,7 @@ from reservoir.trainer.learner import Learner
 from reservoir.trainer.seed import seed_everything
 from reservoir.trainer.sft import conversation, demonstrations, task_batch
 from reservoir.trainer.feeds import sft_tasks
-from reservoir.trainer.stages import Stage, stage_at
+from reservoir.plan.stages import Stage, stage_at
 from reservoir.trainer.step import ONE, Ranks
 
 TRAIN, DO, STOP = 1, 2, 3

@@ -1,4 +1,5 @@
-"""One seed for Python's, numpy's and torch's generators, and the seed of each step."""
+"""One seed for Python's, numpy's and torch's generators (each step's own seed is the plan's:
+`reservoir.plan.stages.step_seed`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The seed of a step's own draws (its mini-batches' order): the same on every rank and
-    when the step is replayed on resume, different from step to step."""
-    return (seed * 1_000_003 + step) % 2**63

@@ -15,7 +15,7 @@ import torch
 from reservoir.chat import Message, Tokens, demonstration
 from reservoir.trainer.batch import TrainBatch
 from reservoir.trainer.optimizer import adamw
-from reservoir.trainer.presets import PRESETS
+from reservoir.plan.presets import PRESETS
 from reservoir.trainer.step import train_step
 
 

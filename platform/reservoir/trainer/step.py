@@ -25,7 +25,7 @@ from reservoir.trainer.adapters import running
 from reservoir.trainer.algorithms import (ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, Episodes,
                                           aggregate, call, gae)
 from reservoir.trainer.batch import TrainBatch, token_logprobs
-from reservoir.trainer.presets import PRESETS, Algorithm
+from reservoir.plan.presets import PRESETS, Algorithm
 from reservoir.trainer.sharding import is_sharded, whole_norm
 
 __all__ = ["Algorithm", "PRESETS", "Precision", "Ranks", "ONE", "StepNotFinite", "train_step",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from reservoir.config import StoredData
 from reservoir.errors import ConfigError
 from reservoir.store.source import TRAINABLE_STATUSES, Source, select_rows
-from reservoir.store.usersql import UserSQLError
+from reservoir.errors import UserSQLError
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from rich.console import Console
 
 from reservoir.config import ReservoirConfig
 from reservoir.errors import Abandoned, ConfigError, ReservoirError, StepNotFinite
-from reservoir.prepare import branch_checkpoint, check_model, check_resumable
+from reservoir.plan.weights import branch_checkpoint, check_model
 from reservoir.store import Store
 from reservoir.store.ledger import add_step_metrics, last_step, record_step
 from reservoir.store.retry import Patience
@@ -43,7 +43,7 @@ from reservoir.trainer.feeds import Context, Feed, feed_for
 from reservoir.trainer.learner import Learner
 from reservoir.trainer.ranks import TrainerPool, rank_threads
 from reservoir.trainer.seed import seed_everything
-from reservoir.trainer.stages import Stage
+from reservoir.plan.stages import Stage, total_steps
 
 PROGRESS_EVERY_S = 1.0  # runs.progress is written at most this often
 NO_SIGNAL_WARN = 0.5    # warn when more groups than this carried no reward variance
@@ -123,7 +123,7 @@ class TrainerWorker:
             raise ConfigError(f"run.name: run {self.config.run.name!r} has already trained; "
                               "continue it with --resume or choose another name")
         if self.resume:
-            check_resumable(self.store, self.config)
+            self.store.runs.check_resumable(self.config.run.name, total_steps(self.config))
 
     @property
     def checkpoints(self) -> Path:

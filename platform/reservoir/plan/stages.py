@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reservoir.config import ReservoirConfig, StageData
-from reservoir.trainer.presets import PRESETS, Algorithm
+from reservoir.plan.presets import PRESETS, Algorithm
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,9 @@ def last_step(stages: tuple[Stage, ...]) -> int:
 def total_steps(config: ReservoirConfig) -> int:
     """The run's last step, over all its stages."""
     return last_step(plan(config))
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of a step's own draws (its mini-batches' order): the same on every rank and
+    when the step is replayed on resume, different from step to step."""
+    return (seed * 1_000_003 + step) % 2**63
