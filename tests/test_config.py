@@ -147,3 +147,40 @@ def test_retention_checks_ranges_and_that_archiving_has_a_folder(write, body, ke
 def test_a_path_with_a_nul_or_nothing_in_it_is_refused_naming_its_key(write, body, key):
     message = config_error(write(body))
     assert re.search(rf"{re.escape(key)} \(line \d+\): [^;]*without NUL", message), message
+
+
+STAGES = """tasks: {{generate: reverse}}
+trainer: {{{trainer}}}
+stages:
+  - {{name: warm, algorithm: sft, steps: 2, data: {data}}}
+  - {{name: rl, algorithm: grpo, steps: 2}}
+"""
+
+
+@pytest.mark.parametrize("data, trainer, fraction, deprecated", [
+    ("tasks", "", 0.5, False),
+    ("{tasks: {fraction: 0.3}}", "", 0.3, False),
+    ("{tasks: true}", "", 0.5, False),
+    ("tasks", "warmup_fraction: 0.2", 0.2, True),                    # the old key still works
+    ("{tasks: {fraction: 0.3}}", "warmup_fraction: 0.2", 0.3, True),  # the stage's own wins
+])
+def test_a_tasks_stage_takes_its_share_of_tasks_from_its_own_data(write, capsys, data, trainer,
+                                                                   fraction, deprecated):
+    """Issue 31: a `data: tasks` stage took its share from trainer.warmup_fraction, which
+    users missed; the share is the stage's now, and the old key says it is deprecated."""
+    from reservoir.plan.stages import plan
+
+    config = load_config(write(STAGES.format(data=data, trainer=trainer)))
+    warm = plan(config)[0]
+    assert warm.data.kind == "tasks" and warm.data.tasks.fraction == fraction
+    said = capsys.readouterr().err
+    assert ("trainer.warmup_fraction is deprecated" in said) == deprecated
+    assert said.count("\n") == deprecated  # one line
+
+
+def test_the_classic_warm_up_keeps_trainer_warmup_fraction(write, capsys):
+    from reservoir.plan.stages import plan
+
+    config = load_config(write("tasks: {generate: reverse}\n"
+                               "trainer: {warmup_steps: 3, warmup_fraction: 0.25}\n"))
+    assert plan(config)[0].data.tasks.fraction == 0.25 and capsys.readouterr().err == ""

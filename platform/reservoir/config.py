@@ -12,6 +12,7 @@ import ipaddress
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -532,7 +533,9 @@ class TrainerConfig(Section):
                                  "(greedy, the test split); also at step 0 and each stage's end")
     warmup_steps: Count = count(0, 0, 100_000_000, "supervised warm-up steps first")
     warmup_fraction: Number = number(0.5, gt=0, le=1,
-                                     description="share of the train tasks the warm-up sees")
+                                     description="share of the train tasks the warm-up sees "
+                                     "(trainer.warmup_steps); with stages: deprecated, write "
+                                     "the stage's data: {tasks: {fraction: F}}")
     warmup_batch: Count = count(32, 1, 1_000_000, "tasks per warm-up step")
     warmup_lr: Number = number(3e-3, gt=0, le=1, description="the warm-up's learning rate")
     checkpoint_interval: Count = count(10, 1, 100_000_000, "steps between checkpoints (model, "
@@ -591,14 +594,27 @@ class PreferenceData(Section):
                          "ready again (another epoch); false: the stage waits for new pairs")
 
 
+class TaskData(Section):
+    """A stage's share of the run's train tasks (`data: {tasks: {fraction: 0.3}}`)."""
+
+    fraction: Number = number(0.5, gt=0, le=1, description="share of the run's train tasks "
+                              "(the first ones, in the order explorers claim them last) the "
+                              "stage trains on")
+
+
+def _task_data(value):
+    return {} if value is True else None if value is False else value
+
+
 class StageData(Section):
     """Exactly one source: explorers (the run's own rollouts), tasks (SFT on the run's train
     tasks' answers), stored rows, or preference pairs."""
 
     explorers: bool = Field(default=False, description="lease the run's groups, as explorers "
                             "write them (`data: explorers`)")
-    tasks: bool = Field(default=False, description="sft on the answers (or demonstrations) of "
-                        "the first trainer.warmup_fraction of the train tasks (`data: tasks`)")
+    tasks: Annotated[TaskData | None, BeforeValidator(_task_data)] = Field(
+        default=None, description="sft on the answers (or demonstrations) of the first "
+        "tasks.fraction of the train tasks (`data: tasks` takes half)")
     stored: StoredData | None = Field(default=None, description="experiences already in the "
                                       "store, read, not leased")
     preferences: PreferenceData | None = Field(default=None, description="chosen/rejected "
@@ -606,7 +622,7 @@ class StageData(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> StageData:
-        chosen = [self.explorers, self.tasks, self.stored is not None,
+        chosen = [self.explorers, self.tasks is not None, self.stored is not None,
                   self.preferences is not None]
         if sum(chosen) != 1:
             raise ValueError("a stage's data is one of: explorers, tasks, {stored: {...}}, "
@@ -615,12 +631,13 @@ class StageData(Section):
 
     @property
     def kind(self) -> str:
-        return ("explorers" if self.explorers else "tasks" if self.tasks
+        return ("explorers" if self.explorers else "tasks" if self.tasks is not None
                 else "stored" if self.stored is not None else "preferences")
 
 
 def _stage_data(value):
-    return {value: True} if isinstance(value, str) and value in ("explorers", "tasks") else value
+    return {"explorers": True} if value == "explorers" else {"tasks": {}} if value == "tasks" \
+        else value
 
 
 class StageConfig(Section):
@@ -643,7 +660,7 @@ class StageConfig(Section):
         if pairs != (self.data.preferences is not None):
             raise ValueError(f"stage {self.name!r}: a preference algorithm (dpo) trains on "
                              "data: {preferences: ...} and only it does")
-        if self.data.tasks and self.algorithm.resolve().policy_loss != "sft":
+        if self.data.tasks is not None and self.algorithm.resolve().policy_loss != "sft":
             raise ValueError(f"stage {self.name!r}: data: tasks has answers, not rollouts: "
                              "only sft trains on it")
         return self
@@ -756,6 +773,16 @@ class ReservoirConfig(Section):
         return self
 
     @property
+    def deprecations(self) -> list[str]:
+        """One line for each old key the config still uses (they keep working)."""
+        if self.stages and "warmup_fraction" in self.trainer.model_fields_set:
+            return ["trainer.warmup_fraction is deprecated with stages: write the share in the "
+                    "stage, data: {tasks: {fraction: "
+                    f"{self.trainer.warmup_fraction}}}}} (stages whose data sets none take it "
+                    "until then)"]
+        return []
+
+    @property
     def branch(self) -> tuple[str, int] | None:
         """(run, step) this run branches from, if it does."""
         if self.run.branch_from is None:
@@ -795,9 +822,12 @@ def load_config(path: Path | str | None) -> ReservoirConfig:
 def parse_config(raw: dict, *, source: str = "<config>",
                  lines: dict[tuple, int] | None = None) -> ReservoirConfig:
     try:
-        return ReservoirConfig.model_validate(raw)
+        config = ReservoirConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(describe_errors(exc, source, ReservoirConfig, lines)) from None
+    for line in config.deprecations:
+        print(f"{source}: {line}", file=sys.stderr)
+    return config
 
 
 def describe_errors(exc: ValidationError, source: str, model: type[BaseModel],

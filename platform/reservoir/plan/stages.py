@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reservoir.config import ReservoirConfig, StageData
+from reservoir.config import ReservoirConfig, StageData, TaskData
 from reservoir.plan.presets import PRESETS, Algorithm
 
 
@@ -42,17 +42,27 @@ def plan(config: ReservoirConfig) -> tuple[Stage, ...]:
         for index, stage in enumerate(config.stages):
             stages.append(Stage(index, stage.name, stage.algorithm.resolve(**tis), first,
                                 stage.steps, stage.lr or trainer.lr,
-                                stage.batch or trainer.batch_groups, stage.data))
+                                stage.batch or trainer.batch_groups, _data(config, stage.data)))
             first += stage.steps
         return tuple(stages)
     if trainer.warmup_steps:
         stages.append(Stage(0, "warm-up", PRESETS["sft"], 1, trainer.warmup_steps,
-                            trainer.warmup_lr, trainer.warmup_batch, StageData(tasks=True)))
+                            trainer.warmup_lr, trainer.warmup_batch,
+                            StageData(tasks=TaskData(fraction=trainer.warmup_fraction))))
         first += trainer.warmup_steps
     stages.append(Stage(len(stages), "rl", trainer.algorithm.resolve(**tis), first,
                         trainer.steps, trainer.lr, trainer.batch_groups,
                         StageData(explorers=True)))
     return tuple(stages)
+
+
+def _data(config: ReservoirConfig, data: StageData) -> StageData:
+    """The stage's data; a `data: tasks` stage that sets no fraction takes the deprecated
+    trainer.warmup_fraction where the config still sets it (ReservoirConfig.deprecations)."""
+    if data.tasks is None or "fraction" in data.tasks.model_fields_set or \
+            "warmup_fraction" not in config.trainer.model_fields_set:
+        return data
+    return StageData(tasks=TaskData(fraction=config.trainer.warmup_fraction))
 
 
 def stage_at(stages: tuple[Stage, ...], step: int) -> Stage | None:
