@@ -195,12 +195,24 @@ def status_changers(graph: Graph) -> dict[str, list[int]]:
 
 
 def _sqlalchemy_status_change(node: ast.AST) -> bool:
-    """`update(<experience table>)....values(status=...)` or `insert(<experience table>)`."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and
-            node.func.id in ("update", "insert") and node.args):
+    """`update(<experience table>)...values(status=...)` (or `.values(**a_dict)`, which may
+    hold it), or `insert(<experience table>)`."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
         return False
-    table = ast.unparse(node.args[0])
-    return any(name in table for name in EXPERIENCE_TABLES) or table in ("state", "e")
+    if node.func.attr == "values" and any(k.arg in ("status", None) for k in node.keywords):
+        return _on_experiences(node.func.value, "update")
+    return False
+
+
+def _on_experiences(chain: ast.AST, verb: str) -> bool:
+    """Whether a chain of calls (`update(t).where(...)`) starts with verb(<experience table>)."""
+    while isinstance(chain, ast.Call | ast.Attribute):
+        if isinstance(chain, ast.Call) and isinstance(chain.func, ast.Name) and \
+                chain.func.id == verb and chain.args:
+            table = ast.unparse(chain.args[0])
+            return any(name in table for name in EXPERIENCE_TABLES) or table in ("state", "e")
+        chain = chain.func if isinstance(chain, ast.Call) else chain.value
+    return False
 
 
 @dataclass
