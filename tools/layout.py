@@ -53,9 +53,9 @@ NOT_THE_STORE = {("reservoir.pipeline.validate", "sqlite3"), ("reservoir.pipelin
                  ("reservoir.plan.urls", "psycopg2")}
 TRANSACTIONS = {"begin", "connect", "begin_nested", "transaction", "acquire"}
 EXPERIENCE_TABLES = ("experience_state", "experiences")
-STATUS_CHANGE = re.compile(
-    r"(update\s+(public\.)?(experience_state|experiences)\b[^;]*?\bset\b[^;]*?\bstatus\b|"
-    r"insert\s+into\s+(public\.)?(experience_state|experiences)\b)", re.IGNORECASE | re.DOTALL)
+STATUS_CHANGE = re.compile(  # a row's birth (the writer, a pipeline's children) is no change
+    r"update\s+(public\.)?(experience_state|experiences)\b[^;]*?\bset\b[^;]*?\bstatus\b",
+    re.IGNORECASE | re.DOTALL)
 
 
 def layer_of(module: str) -> int:
@@ -181,8 +181,8 @@ def transaction_openers(graph: Graph) -> dict[str, list[int]]:
 
 def status_changers(graph: Graph) -> dict[str, list[int]]:
     """Modules that change an experience's status: SQL text that updates `status` of
-    experience_state (or experiences) or inserts rows there, or a SQLAlchemy update of those
-    tables whose values name `status` (directly or through a dict that holds it)."""
+    experience_state (or the experiences view), or a SQLAlchemy update of those tables whose
+    values name `status` (directly or through a dict that may hold it)."""
     changed: dict[str, list[int]] = {}
     for module, tree in graph.trees.items():
         if module.startswith("reservoir.migrations"):  # history: store/sql/schema.sql is now
