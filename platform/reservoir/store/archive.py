@@ -55,7 +55,7 @@ from reservoir.config import DAY, DEFAULT_REWARD_RANGE, RetentionConfig
 from reservoir.errors import ExperienceInvalid, StoreError
 from reservoir.store.archive_format import (ARROW, MANIFEST, Column, Manifest, TableFile, create,
                                             fsync, sha256, write_durably)
-from reservoir.store import codec, partitions, runs
+from reservoir.store import codec, lifecycle, partitions, runs
 from reservoir.store.engine import sync_engine
 from reservoir.store.records import Experience, shape_group
 
@@ -116,10 +116,6 @@ FIND_ARCHIVE = text("SELECT id, restored_at FROM run_archives WHERE run_id = :ru
 MARK_RESTORED = text("UPDATE run_archives SET restored_at = now() WHERE id = :id")
 VOCAB_SIZE = text("SELECT vocab_size FROM runs WHERE id = :run")
 RUN_FIELDS = text("SELECT group_size, model, vocab_size FROM runs WHERE id = :run")
-RETIRE = text("""
-UPDATE experiences SET status = 'retired'
-WHERE status IN ('ready', 'raw') AND created_at < now() - make_interval(secs => :seconds)
-  AND run_id IN (SELECT id FROM runs WHERE status = ANY(:ended))""")
 
 
 @dataclass(frozen=True)
@@ -527,7 +523,7 @@ def apply_retention(target: Store | Engine | str, retention: RetentionConfig, *,
         if retention.retire_after_days is not None:
             with (_failures("retiring old rows", "none was retired"),
                   engine.begin() as conn):
-                retired = conn.execute(RETIRE, {"seconds": retention.retire_after_days * DAY,
+                retired = conn.execute(lifecycle.RETIRE_AGED, {"seconds": retention.retire_after_days * DAY,
                                                 "ended": ENDED}).rowcount
         if retention.archive_after_days is not None:
             with engine.connect() as conn:

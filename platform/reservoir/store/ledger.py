@@ -17,6 +17,7 @@ from sqlalchemy.types import BigInteger, Float
 from reservoir.store.door import Door, reading, writing
 from reservoir.errors import LeaseLost, StoreError
 from reservoir.store.engine import REUSE_PLANS
+from reservoir.store import lifecycle
 from reservoir.store.prepared import Prepared
 from reservoir.store.sampler import Lease
 from reservoir.store.schema import batch_items, batch_pairs, preferences, train_steps
@@ -36,13 +37,7 @@ def commit_statement(run_ids: tuple[int, ...]):
     """
     runs = ", ".join(str(int(run_id)) for run_id in run_ids)
     return text(f"""
-WITH consumed AS (
-    UPDATE experience_state
-    SET status = 'consumed', times_sampled = times_sampled + 1,
-        lease_token = NULL, leased_until = NULL
-    WHERE run_id IN ({runs}) AND id = ANY(CAST(:ids AS bigint[])) AND lease_token = :token
-    RETURNING id, run_id
-), step AS (
+WITH {lifecycle.consumed_cte(runs)}, step AS (
     INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
     VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences, :stage)
     RETURNING id

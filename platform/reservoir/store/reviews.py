@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, exists, func, insert, or_, select, update
 from sqlalchemy.orm import aliased
 
+from reservoir.store import lifecycle
 from reservoir.store.door import Door, reading, writing
 from reservoir.errors import RowUnknown, StoreError
 from reservoir.store.preferences import Pair, insert_pairs
@@ -88,9 +89,7 @@ def label(conn: Connection, review_id: int, *, verdict: str, reviewer: str,
                 labelled_at=func.now()).returning(reviews.c.experience_id)).scalar()
     if experience_id is None:
         raise _unknown(review_id, run)
-    conn.execute(update(experience_state).where(experience_state.c.id == experience_id,
-                                                experience_state.c.status == "held")
-                 .values(status=VERDICT_STATUS[verdict]))
+    lifecycle.settle_held(conn, experience_id, VERDICT_STATUS[verdict])
     _log(conn, reviewer=reviewer, action=verdict, source=source, review_id=review_id,
          experience_id=experience_id, detail={"label": values})
     return VERDICT_STATUS[verdict]

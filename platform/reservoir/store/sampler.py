@@ -23,14 +23,14 @@ from datetime import datetime, timedelta
 from typing import NamedTuple, Sequence
 
 import numpy as np
-from sqlalchemy import (BigInteger, Integer, Interval, Text, and_, bindparam, case, exists, func, literal,
+from sqlalchemy import (BigInteger, Integer, Text, and_, bindparam, exists, func, literal,
                         literal_column, select, text, true, union_all, update)
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from reservoir.config import SamplerConfig
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
-from reservoir.store import codec, runs
+from reservoir.store import codec, lifecycle, runs
 from reservoir.store.flow import RateLimit
 from reservoir.store.notify import NOTIFY_ROWS, AsyncWake, rows_channel
 from reservoir.store.prepared import Prepared
@@ -251,9 +251,7 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool,
     min_version.
     """
     of_runs = _of_runs(e, run_ids)
-    lease_values = dict(status="leased", lease_token=bindparam("token", type_=UUID(as_uuid=True)),
-                        leased_until=func.now() + bindparam("lease_for", type_=Interval))
-    reclaimed = _give_back(and_(of_runs, _expired(of_runs))).cte("reclaimed")
+    reclaimed = lifecycle.given_back(and_(of_runs, _expired(of_runs))).cte("reclaimed")
     picked = _picked(unit, flow, explicit_floor, run_ids, n).cte("picked")
     if unit == "rows":
         chosen = e.c.id == _any_of(select(picked.c.id))
@@ -261,7 +259,7 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool,
         members = select(d.c.id).where(_of_runs(d, run_ids),
                                         d.c.group_id == _any_of(select(picked.c.group_id)))
         chosen = and_(e.c.id == _any_of(members), _eligible(e, flow))
-    leased = (update(e).where(of_runs, chosen, _enough(picked)).values(**lease_values)
+    leased = (lifecycle.leased(of_runs, chosen, _enough(picked))
               .returning(*STATE_RETURNED).cte("leased"))
     return _with_data(leased, reclaimed, run_ids)
 
@@ -325,21 +323,9 @@ def _to_leased(row) -> LeasedExperience:
 _ID = operator.itemgetter(0)
 
 
-def _back_status():
-    """Where a row goes when its lease ends without a step: never trained -> ready."""
-    return case((e.c.times_sampled == 0, "ready"), else_="consumed")
-
-
-def _give_back(where):
-    """Update: rows matching `where` leave their lease; returns their run ids."""
-    return (update(e).where(where)
-            .values(status=_back_status(), lease_token=None, leased_until=None)
-            .returning(e.c.run_id))
-
-
 def _give_back_statement(where):
     """Statement: rows matching `where` leave their lease (counters follow); returns the count."""
-    back = _give_back(where).cte("back")
+    back = lifecycle.given_back(where).cte("back")
     return select(func.count()).select_from(back).add_cte(count_sampled((back, -1)))
 
 
@@ -530,34 +516,13 @@ async def retire(engine: AsyncEngine, run_ids: Sequence[int], flow: SamplerConfi
     """
     if flow.max_staleness is None:
         return 0
-    stmt = (update(e).where(
+    stmt = lifecycle.retired(
         e.c.run_id.in_(run_ids), _eligible(e, flow),
         e.c.policy_version < runs.latest_version(e.c.run_id) - flow.max_staleness)
-        .values(status="retired").returning(e.c.id))
     async with engine.begin() as conn:
         return len((await conn.execute(stmt)).all())
 
 
-SET_ASIDE = text("""
-WITH aside AS (
-    UPDATE experience_state
-    SET status = 'retired', lease_token = NULL, leased_until = NULL
-    WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :token
-    RETURNING id, run_id
-), noted AS (
-    UPDATE experience_data d
-    SET metadata = d.metadata || jsonb_build_object('set_aside', CAST(:reason AS text))
-    FROM aside WHERE d.run_id = aside.run_id AND d.id = aside.id
-    RETURNING d.id
-), per_run AS (
-    SELECT run_id, count(*) AS n FROM aside GROUP BY run_id
-), counted AS (
-    UPDATE runs SET rows_sampled = rows_sampled - per_run.n FROM per_run
-    WHERE runs.id = per_run.run_id RETURNING runs.id
-)
-SELECT (SELECT count(*) FROM aside), (SELECT count(*) FROM noted), (SELECT count(*) FROM counted)
-""").bindparams(bindparam("token", type_=UUID(as_uuid=True)),
-                bindparam("ids", type_=ARRAY(BigInteger)))
 JOIN = text("""
 UPDATE experience_state SET lease_token = :into, leased_until = LEAST(leased_until, :until)
 WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :token
@@ -573,7 +538,7 @@ async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUI
     aside = set(groups)
     ids = [row.id for row in lease.rows if row.group_id in aside]
     async with engine.begin() as conn:
-        await conn.execute(SET_ASIDE, {**_of_lease(lease), "ids": ids, "reason": reason})
+        await conn.execute(lifecycle.SET_ASIDE, {**_of_lease(lease), "ids": ids, "reason": reason})
         for run_id in lease.run_ids:  # explorers may make more now: wake them (a hint only)
             await conn.execute(select(func.pg_notify(runs.POLICY_CHANNEL,
                                                      f"{run_id}:set-aside")))
