@@ -308,10 +308,32 @@ def config_markdown() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# --- the lifecycle ----------------------------------------------------------------------------
+
+LIFECYCLE_INTRO = """\
+# Experience lifecycle (reference)
+
+Every change of an experience's status, as `reservoir.store.lifecycle.TRANSITIONS` lists it:
+that module makes each of them and no other module writes the status (`python -m
+tools.layout` counts). The story behind them: [Experience lifecycle](../concepts/lifecycle.md).
+"""
+
+
+def lifecycle_markdown() -> str:
+    from reservoir.store.lifecycle import TRANSITIONS
+
+    lines = [GENERATED, "", LIFECYCLE_INTRO, "| from | to | made by | when |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {cell(' | '.join(t.before))} | {cell(' | '.join(t.after))} | `{t.by}` | "
+              f"{cell(t.when)} |" for t in TRANSITIONS]
+    return "\n".join(lines) + "\n"
+
+
 # --- files ----------------------------------------------------------------------------------
 
 def pages() -> dict[str, str]:
-    return {"cli.md": cli_markdown(), "config.md": config_markdown()}
+    return {"cli.md": cli_markdown(), "config.md": config_markdown(),
+            "lifecycle.md": lifecycle_markdown()}
 
 
 def main(argv: list[str] | None = None) -> int:
