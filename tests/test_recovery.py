@@ -204,7 +204,7 @@ def test_the_worker_runs_in_the_main_thread_and_a_second_ctrl_c_leaves_at_once(s
     for at in range(ctrl_cs):
         threading.Timer(0.3 + 0.3 * at, os.kill, (os.getpid(), signal.SIGINT)).start()
     started = time.monotonic()
-    monitor = Monitor(store.engine, "nothing", 1)
+    monitor = Monitor(store, "nothing", 1)
     if ctrl_cs == 1:
         assert pool._in_front(worker, monitor, Console(quiet=True)) == "stopped"
     else:

@@ -8,6 +8,7 @@ from reservoir.config import parse_config
 from reservoir.errors import ConfigError, StoreError
 from reservoir.models import build_tiny_model
 from reservoir.report import write_report
+from reservoir.store import Store
 from reservoir.store.engine import sync_engine
 
 LEDGER = {
@@ -63,7 +64,8 @@ def test_sync_run_is_on_policy_and_every_step_has_its_ledger(tmp_path, db_url):
                                          "nothing to resume"):
         pool.train(elsewhere, resume=True)
     assert ledger(db_url)["status"] == "finished"  # refusing to start changed nothing
-    page = write_report(sync_engine(db_url), "r", tmp_path / "report")
+    with Store(db_url) as store:
+        page = write_report(store, "r", tmp_path / "report")
     names = {"reward_per_step", "accuracy_per_step", "per_minute", "response_length", "staleness"}
     assert {p.stem for p in page.parent.glob("*.png")} == names
     assert all(f'src="{name}.png"' in page.read_text() for name in names)

@@ -63,7 +63,7 @@ def sql(statement: str = typer.Argument(..., help="One SQL statement; :name bind
         wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
     """Run one SQL statement against the store and print the result."""
     from reservoir.cli_output import FORMATS, CsvSink, write_rows
-    from reservoir.store.inspect import run_sql
+    from reservoir.store import run_sql
 
     if fmt not in FORMATS:
         raise ReservoirError(f"--format {fmt!r}: choose table, csv or json")
@@ -101,7 +101,7 @@ def inspect_run(name: str, steps: int = typer.Option(10, min=1, max=10_000,
                 wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
     """A run's status, experiences per status, and its recent train steps."""
     from reservoir.cli_output import print_record, print_table
-    from reservoir.store.inspect import run_summary
+    from reservoir.store import run_summary
 
     where = target(config)
     summary, recent = run_summary(where.url, name, last_steps=steps,
@@ -116,7 +116,7 @@ def inspect_experience(experience_id: int, wide: bool = WideOption,
                        config: Optional[Path] = ConfigOption) -> None:
     """One experience and its lineage: task -> experience -> train step -> policy version."""
     from reservoir.cli_output import print_record, print_table
-    from reservoir.store.inspect import experience_detail
+    from reservoir.store import experience_detail
 
     where = target(config)
     row, lineage = experience_detail(where.url, experience_id, reader_url=where.reader_url,
@@ -155,11 +155,10 @@ def model_export(
     from reservoir.config import checked_checkpoint, parse_config
     from reservoir.export import export
     from reservoir.plan.weights import find_checkpoint
-    from reservoir.store.runs import config_of
 
     run, step = checked_checkpoint(source, "RUN@STEP")
-    with _open(config) as store, store.engine.connect() as conn:
-        stored = config_of(conn, run)
+    with _open(config) as store:
+        stored = store.runs.config_of(run)
     stored = parse_config({key: value for key, value in stored.items() if key != "store"},
                           source=f"run {run!r}'s stored config")
     checkpoint = find_checkpoint(Path(stored.trainer.checkpoint_dir) / run, step, source)
@@ -257,7 +256,7 @@ def report_command(run: str = typer.Argument(..., help="Run name."),
     from reservoir.report import write_report
 
     with _open(config) as store:
-        page = write_report(store.engine, run, out)
+        page = write_report(store, run, out)
     console.print(f"report for run {run!r}: {page}")
 
 
@@ -274,7 +273,6 @@ def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with
 
     from reservoir.config import checked_run_name
     from reservoir.explorer.tasks import read_task_file
-    from reservoir.store.tasks import add_tasks
 
     checked_run_name(run, "--run")
     rows = read_task_file(file)
@@ -282,8 +280,7 @@ def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with
         random.Random(seed).shuffle(rows)
     with _open(config, migrate=True) as store:
         run_id = store.create_run(run, exist_ok=True)
-        with store.engine.begin() as conn:
-            ids = add_tasks(conn, run_id, rows)
+        ids = store.tasks.add_tasks(run_id, rows)
     splits = {split: sum(row["split"] == split for row in rows) for split in {r["split"] for r in rows}}
     console.print(f"loaded {len(ids)} tasks from {file} into run {run!r} "
                   f"({', '.join(f'{n} {s}' for s, n in sorted(splits.items()))})")
@@ -319,7 +316,7 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
     if steps * groups_per_step > groups:
         raise ReservoirError(f"--steps {steps} x --groups-per-step {groups_per_step} needs "
                              f"{steps * groups_per_step} groups, --groups is {groups}")
-    from reservoir.store.inspect import DEMO_RUNS, DEMO_STEPS, DEMO_TRAINED, run_sql
+    from reservoir.store import DEMO_RUNS, DEMO_STEPS, DEMO_TRAINED, run_sql
 
     with _open(config, migrate=True) as store:
         run_demo(store, run=run, n_groups=groups, group_size=group_size, steps=steps,

@@ -47,13 +47,13 @@ def target(path: Optional[Path]) -> Target:
     """Resolved without the config models when no -c is given (RESERVOIR_DB_URL, else the
     embedded server under the working directory, attached without loading the wheel)."""
     from reservoir.plan import urls
-    from reservoir.store import server
+    from reservoir.store import start_server
 
     if path is None:
-        url = urls.from_env() or server.start(Path(urls.DEFAULT_DATA_DIR))
+        url = urls.from_env() or start_server(Path(urls.DEFAULT_DATA_DIR))
         return Target(url, None, 30.0)
     store = _config(path).store
-    return Target(store.resolved_url() or server.start(store.data_dir), store.reader_url,
+    return Target(store.resolved_url() or start_server(store.data_dir), store.reader_url,
                   store.query_timeout_s)
 
 

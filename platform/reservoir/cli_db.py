@@ -16,27 +16,17 @@ db_app = typer.Typer(help="The experience store's database: schema, embedded ser
                      no_args_is_help=True)
 
 
-def _engine(config: Optional[Path]):
-    """(url, psycopg2 engine) of the configured store, the embedded server started if needed."""
-    from reservoir.store import engine as engines
-
-    url = engines.resolve_url(_config(config).store)
-    return url, engines.sync_engine(url)
-
-
 @db_app.command("upgrade")
 def db_upgrade(config: Optional[Path] = ConfigOption,
                revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Upgrade the schema (idempotent)."""
-    from reservoir.store import migrate
     from reservoir.plan.urls import redact
+    from reservoir.store import upgrade_schema
 
-    url, engine = _engine(config)
-    before = migrate.current_revision(engine)
-    migrate.upgrade(engine, revision)
-    after = migrate.current_revision(engine)
-    change = "already at" if before == after else f"upgraded from {before or 'empty'} to"
-    console.print(f"{redact(url)}: {change} revision {after}", highlight=False)
+    done = upgrade_schema(_config(config).store, revision)
+    change = ("already at" if done.before == done.after
+              else f"upgraded from {done.before or 'empty'} to")
+    console.print(f"{redact(done.url)}: {change} revision {done.after}", highlight=False)
 
 
 @db_app.command("downgrade")
@@ -44,30 +34,28 @@ def db_downgrade(revision: str = typer.Argument(..., help="Target revision, e.g.
                                                           "base (removes everything)."),
                  config: Optional[Path] = ConfigOption) -> None:
     """Downgrade the schema (drops what later revisions added)."""
-    from reservoir.store import migrate
     from reservoir.plan.urls import redact
+    from reservoir.store import downgrade_schema
 
-    url, engine = _engine(config)
-    migrate.downgrade(engine, revision)
-    console.print(f"{redact(url)}: now at revision {migrate.current_revision(engine) or 'base'}",
-                  highlight=False)
+    done = downgrade_schema(_config(config).store, revision)
+    console.print(f"{redact(done.url)}: now at revision {done.after or 'base'}", highlight=False)
 
 
 @db_app.command("status")
 def db_status(config: Optional[Path] = ConfigOption) -> None:
     """Where the store is, and whether its schema is current."""
-    from reservoir.store import migrate
     from reservoir.plan.urls import redact
+    from reservoir.store import schema_status
 
-    cfg = _config(config)
-    url, engine = _engine(config)
-    current, head = migrate.current_revision(engine), migrate.head_revision()
+    store = _config(config).store
+    found = schema_status(store)
     table = Table(show_header=False)
-    table.add_row("url", redact(url))
-    embedded = cfg.store.resolved_url() is None
-    table.add_row("server", f"embedded ({cfg.store.data_dir})" if embedded else "configured URL")
-    table.add_row("revision", f"{current or 'empty'} (code expects {head})")
-    table.add_row("schema", "up to date" if current == head else "run `reservoir db upgrade`")
+    table.add_row("url", redact(found.url))
+    embedded = store.resolved_url() is None
+    table.add_row("server", f"embedded ({store.data_dir})" if embedded else "configured URL")
+    table.add_row("revision", f"{found.after or 'empty'} (code expects {found.head})")
+    table.add_row("schema", "up to date" if found.after == found.head
+                  else "run `reservoir db upgrade`")
     console.print(table)
 
 
@@ -83,22 +71,22 @@ def db_url(config: Optional[Path] = ConfigOption) -> None:
 @db_app.command("start")
 def db_start(config: Optional[Path] = ConfigOption) -> None:
     """Start the embedded server (a no-op when it runs)."""
-    from reservoir.store import server
+    from reservoir.store import start_server
 
     cfg = _config(config)
     if cfg.store.resolved_url():
         raise ReservoirError("a server URL is configured: there is no embedded server to start")
-    console.print(f"embedded PostgreSQL running: {server.start(cfg.store.data_dir)}",
+    console.print(f"embedded PostgreSQL running: {start_server(cfg.store.data_dir)}",
                   highlight=False)
 
 
 @db_app.command("stop")
 def db_stop(config: Optional[Path] = ConfigOption) -> None:
     """Stop the embedded server."""
-    from reservoir.store import server
+    from reservoir.store import stop_server
 
     data_dir = _config(config).store.data_dir
-    stopped = server.stop(data_dir)
+    stopped = stop_server(data_dir)
     console.print(f"embedded PostgreSQL in {data_dir} "
                   + ("stopped" if stopped else "was not running"), highlight=False)
 
@@ -115,7 +103,7 @@ def db_password(
     """Set the password of Reservoir's owner or reader login (sent as a SCRAM verifier, not in
     clear); only a superuser may: the embedded server's, or a configured URL's login."""
     from reservoir.plan import urls
-    from reservoir.store import roles, server
+    from reservoir.store import set_login_password
 
     logins = {"owner": (urls.OWNER_ROLE, urls.OWNER_PASSWORD_ENV),
               "reader": (urls.READER_ROLE, urls.READER_PASSWORD_ENV)}
@@ -127,18 +115,5 @@ def db_password(
     if not password:
         raise ReservoirError(f"--from-env {from_env}: the variable is unset or empty; put the "
                              "password there (e.g. read -s)")
-    store = _config(config).store
-    url = store.resolved_url()
-    if url is None:
-        server.start(store.data_dir)
-        url = server.admin_url(store.data_dir)
-    conn = roles.connect(url)
-    try:
-        if not roles.is_superuser(conn):
-            raise ReservoirError(f"{urls.redact(url)} logs in as {urls.user_of(url)}, no "
-                                 f"superuser: only a superuser sets {name}'s password (run "
-                                 "this with RESERVOIR_DB_URL set to a superuser's URL)")
-        roles.set_password(conn, name, password)
-    finally:
-        conn.close()
+    set_login_password(_config(config).store, name, password)
     console.print(f"{name}'s password is set (its users set {default_env})", highlight=False)

@@ -84,10 +84,10 @@ def pipeline_history(pipeline: Optional[str] = typer.Argument(None, help="Pipeli
     """Recent pipeline runs: status (abandoned if its process died), rows in / out / dropped,
     duration, error."""
     from reservoir.cli_output import print_table
-    from reservoir.store.pipelines import HISTORY_COLUMNS, history
+    from reservoir.store import HISTORY_COLUMNS
 
-    with _open(config) as store, store.engine.connect() as conn:
-        found = history(conn, pipeline, limit)
+    with _open(config) as store:
+        found = store.pipelines.history(pipeline, limit)
     print_table(console, HISTORY_COLUMNS, [[row[c] for c in HISTORY_COLUMNS] for row in found],
                 title="pipeline runs, newest first", wide=wide)
 
@@ -111,12 +111,11 @@ def schedule_add(file: Path = typer.Argument(..., help="Pipeline YAML (mode: onc
 def schedule_list(wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
     """Schedules: pipeline file, cron, next and last run, missed runs."""
     from reservoir.cli_output import print_table
-    from reservoir.store.schedules import listed
 
     columns = ("schedule", "cron", "next_run_at", "last_run_at", "missed_runs", "enabled",
                "pipeline_file")
-    with _open(config) as store, store.engine.connect() as conn:
-        found = listed(conn)
+    with _open(config) as store:
+        found = store.schedules.listed()
     print_table(console, columns, [[row[c] for c in columns] for row in found],
                 title="schedules", wide=wide)
 
@@ -124,10 +123,8 @@ def schedule_list(wide: bool = WideOption, config: Optional[Path] = ConfigOption
 @schedule_app.command("remove")
 def schedule_remove(name: str, config: Optional[Path] = ConfigOption) -> None:
     """Remove a schedule (its past pipeline runs stay)."""
-    from reservoir.store.schedules import remove
-
-    with _open(config) as store, store.engine.begin() as conn:
-        if not remove(conn, name):
+    with _open(config) as store:
+        if not store.schedules.remove(name):
             raise ReservoirError(f"no schedule named {name!r} (see `reservoir schedule list`)")
     console.print(f"schedule {name!r} removed")
 
@@ -153,11 +150,10 @@ def review_list(run: Optional[str] = typer.Option(None, help="Only this run's ro
                 wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
     """Pending reviews: the held row's prompt, response, reward and why it was held."""
     from reservoir.cli_output import print_table
-    from reservoir.store.reviews import pending
 
     columns = ("review_id", "experience_id", "run", "reward", "reason", "response", "prompt")
-    with _open(config) as store, store.engine.connect() as conn:
-        found = pending(conn, run, limit)
+    with _open(config) as store:
+        found = store.reviews.pending(run, limit)
     print_table(console, columns, [[row[c] for c in columns] for row in found],
                 title="pending reviews", wide=wide)
 
@@ -171,17 +167,15 @@ def review_label(review_id: int,
                  config: Optional[Path] = ConfigOption) -> None:
     """Label a held row; it leaves `held` in the same transaction (and review_actions logs
     it)."""
-    from reservoir.store.reviews import label as record
-
     try:
         values = json.loads(label) if label else {}
     except json.JSONDecodeError as exc:
         raise ReservoirError(f"--label: not JSON: {exc}") from None
     if not isinstance(values, dict):
         raise ReservoirError(f"--label: a JSON object of name: value, not {label!r}")
-    with _open(config) as store, store.engine.begin() as conn:
-        status = record(conn, review_id, verdict=verdict, reviewer=reviewer or getuser(),
-                        values=values)
+    with _open(config) as store:
+        status = store.reviews.label(review_id, verdict=verdict, reviewer=reviewer or getuser(),
+                                     values=values)
     console.print(f"review {review_id}: {verdict}; the row is now {status}")
 
 
@@ -218,9 +212,7 @@ def review_prefer(chosen_id: int = typer.Argument(..., help="The better response
                   config: Optional[Path] = ConfigOption) -> None:
     """Record that a person prefers one response to another: a DPO pair (source
     review:REVIEWER), logged in review_actions."""
-    from reservoir.store.reviews import prefer
-
-    with _open(config) as store, store.engine.begin() as conn:
-        added = prefer(conn, chosen_id, rejected_id, reviewer=reviewer or getuser())
+    with _open(config) as store:
+        added = store.reviews.prefer(chosen_id, rejected_id, reviewer=reviewer or getuser())
     console.print(f"experience {chosen_id} preferred over {rejected_id}: "
                   f"{'pair added' if added else 'the pair was already stored'}")

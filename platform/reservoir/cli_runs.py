@@ -40,10 +40,9 @@ def _counts(manifest) -> str:
 def runs_list(wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
     """Every run: status, experiences in the store, last change."""
     from reservoir.cli_output import print_table
-    from reservoir.store.runs import listing
 
-    with _open(config) as store, store.engine.connect() as conn:
-        found = listing(conn)
+    with _open(config) as store:
+        found = store.runs.listing()
     columns = ["run", "status", "experiences", "updated_at"]
     print_table(console, columns, [[row[c] for c in columns] for row in found], wide=wide)
 
@@ -54,10 +53,10 @@ def runs_archive(run: str = typer.Argument(..., help="Run name."),
                                           "one without an archive)."),
                  config: Optional[Path] = ConfigOption) -> None:
     """Move a run's experiences and the rows that hang off them into Parquet files."""
-    from reservoir.store.archive import archive_run
+    from reservoir.store import archive_run
 
     with _open(config) as store, _progress() as show:
-        manifest = archive_run(store.engine, run, out, progress=show)
+        manifest = archive_run(store, run, out, progress=show)
     console.print(f"archived run {run!r} to {out}: {_counts(manifest)}; those rows left the "
                   "store", highlight=False, markup=False)
 
@@ -66,10 +65,10 @@ def runs_archive(run: str = typer.Argument(..., help="Run name."),
 def runs_restore(folder: Path = typer.Argument(..., help="An archive folder."),
                  config: Optional[Path] = ConfigOption) -> None:
     """Put an archived run's rows back into the store, with their ids (all or nothing)."""
-    from reservoir.store.archive import restore_run
+    from reservoir.store import restore_run
 
     with _open(config) as store, _progress() as show:
-        manifest = restore_run(store.engine, folder, progress=show)
+        manifest = restore_run(store, folder, progress=show)
     console.print(f"restored run {manifest.run!r} from {folder}: {_counts(manifest)}",
                   highlight=False, markup=False)
 
@@ -78,7 +77,7 @@ def runs_restore(folder: Path = typer.Argument(..., help="An archive folder."),
 def runs_retention(config: Optional[Path] = typer.Argument(
         None, help="Config YAML whose store.retention applies (default: none).")) -> None:
     """Apply store.retention: retire old ready/raw rows of ended runs, archive idle ones."""
-    from reservoir.store.archive import apply_retention
+    from reservoir.store import apply_retention
 
     retention = _config(config).store.retention
     if retention.archive_after_days is None and retention.retire_after_days is None:

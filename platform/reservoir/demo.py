@@ -11,8 +11,6 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from reservoir.store import Experience, Store
-from reservoir.store.runs import delete_run, run_id_of
-from reservoir.store.tasks import add_tasks
 
 
 def char_ids(text: str) -> np.ndarray:
@@ -39,15 +37,13 @@ def synthetic_group(rng: np.random.Generator, run: str, task_id: int, a: int, b:
 def run_demo(store: Store, *, run: str, n_groups: int, group_size: int, steps: int,
              groups_per_step: int, seed: int, console: Console, raw_groups: int = 0) -> None:
     rng = np.random.default_rng(seed)
-    with store.engine.begin() as conn:
-        delete_run(conn, run)
-    store.create_run(run, group_size=group_size, model="synthetic",
-                     config={"demo": "store", "seed": seed})
+    store.runs.delete_run(run)
+    run_id = store.create_run(run, group_size=group_size, model="synthetic",
+                              config={"demo": "store", "seed": seed})
     pairs = rng.integers(0, 100, size=(n_groups, 2))
-    with store.engine.begin() as conn:
-        task_ids = add_tasks(conn, run_id_of(conn, run), [
-            {"prompt": f"What is {a} + {b}?", "answer": str(a + b), "source": "demo"}
-            for a, b in pairs])
+    task_ids = store.tasks.add_tasks(run_id, [
+        {"prompt": f"What is {a} + {b}?", "answer": str(a + b), "source": "demo"}
+        for a, b in pairs])
     store.publish_version(run, 0, location="synthetic://v0", train_step=0)
     with Progress(console=console, transient=True) as progress:
         writing = progress.add_task("writing groups", total=n_groups)

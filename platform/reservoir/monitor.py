@@ -12,22 +12,19 @@ from typing import Iterator
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-from sqlalchemy import Engine
 
-from reservoir.store.retry import describe_outage, is_outage
-from reservoir.store.runs import snapshot
+from reservoir.store import Store, describe_outage, is_outage
 
 WINDOW_S = 15.0  # rollouts/s over this much recent time
 
 
 class Monitor:
-    def __init__(self, engine: Engine, run: str, steps: int) -> None:
-        self.engine, self.run, self.steps = engine, run, steps
+    def __init__(self, store: Store, run: str, steps: int) -> None:
+        self.store, self.run, self.steps = store, run, steps
         self._inserted: deque[tuple[float, int]] = deque()
 
     def snapshot(self) -> dict | None:
-        with self.engine.connect() as conn:
-            row = snapshot(conn, self.run)
+        row = self.store.runs.snapshot(self.run)
         if row is None:
             return None
         now = time.monotonic()

@@ -63,7 +63,7 @@ def run(config: ReservoirConfig, *, resume: bool = False,
             workers = [trainer, *explorers, *streams]
             done, explored = trainer.run.remote(), [w.run.remote() for w in explorers]
             streamed = [w.run.remote() for w in streams]
-            _supervise(Monitor(store.engine, config.run.name, total_steps(config)), console,
+            _supervise(Monitor(store, config.run.name, total_steps(config)), console,
                        finished=lambda wait: bool(ray.wait([done], timeout=wait)[0]),
                        stop=lambda: [w.request_stop.remote() for w in workers])
             try:
@@ -102,7 +102,7 @@ def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config)
-        monitor = Monitor(store.engine, config.run.name, total_steps(config))
+        monitor = Monitor(store, config.run.name, total_steps(config))
         if config.explorer.workers == 1:
             return [_in_front(ExplorerWorker(config), monitor, console)]
         import ray
@@ -127,7 +127,7 @@ def train(config: ReservoirConfig, *, resume: bool = False,
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config, resume=resume)
-        monitor = Monitor(store.engine, config.run.name, total_steps(config))
+        monitor = Monitor(store, config.run.name, total_steps(config))
         colocate = Colocated if config.run.placement == "colocated" else None
         trainer = TrainerWorker(config, resume=resume, console=console,
                                 evaluate=partial(held_out_accuracy, config), colocate=colocate)

@@ -10,10 +10,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 import pandas as pd  # noqa: E402
-from sqlalchemy import Engine  # noqa: E402
 
 from reservoir.errors import StoreError  # noqa: E402
-from reservoir.store.ledger import staleness_counts, step_history  # noqa: E402
+from reservoir.store import Store  # noqa: E402
 
 def _plot(path: Path, title: str, xlabel: str, series: dict[str, pd.Series],
           kind: str = "line") -> Path:
@@ -36,13 +35,12 @@ def _plot(path: Path, title: str, xlabel: str, series: dict[str, pd.Series],
     return path
 
 
-def write_report(engine: Engine, run: str, out_dir: Path) -> Path:
+def write_report(store: Store, run: str, out_dir: Path) -> Path:
     """Write the plots and index.html for a run; returns the HTML file."""
-    with engine.connect() as conn:
-        steps = pd.DataFrame(step_history(conn, run),
-                             columns=["step", "created_at", "loss", "accuracy", "reward_mean",
-                                      "response_len_mean"])
-        staleness = pd.DataFrame(staleness_counts(conn, run), columns=["staleness", "n"])
+    steps = pd.DataFrame(store.ledger.step_history(run),
+                         columns=["step", "created_at", "loss", "accuracy", "reward_mean",
+                                  "response_len_mean"])
+    staleness = pd.DataFrame(store.ledger.staleness_counts(run), columns=["staleness", "n"])
     if steps.empty:
         raise StoreError(f"run {run!r} has no train steps to report")
     out_dir = Path(out_dir)
