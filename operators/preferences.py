@@ -2,8 +2,9 @@
 
 The mapper does not change the experiences: it marks each chosen row with the rejected row's
 id (`preferred_over`) and the reward gap (`preference_margin`). A Reservoir pipeline stores the
-marked pairs in `preferences` in the transaction that writes the rest of its changes, with one
-operator event (kind `added`) per pair stored (`write_pairs`); a dry run stores none.
+marked pairs (`marked_pairs`) in `preferences` in the transaction that writes the rest of its
+changes, with one operator event (kind `added`, on the chosen row) per pair new to the store; a
+dry run stores none.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 from data_juicer.ops.base_op import OPERATORS, Mapper
 
 from reservoir.operators.common import WHOLE, finite, group_rows
-from reservoir.store.preferences import Pair, insert_pairs
+from reservoir.store import Pair
 
 NAME = "preference_pair_mapper"
 PREFERRED_OVER = "preferred_over"        # on a chosen row: the id of the row it is preferred to
@@ -80,16 +81,3 @@ def marked_pairs(rows: Sequence[dict], statuses: dict[int, str]) -> list[Pair]:
     return [Pair(row["id"], int(row[PREFERRED_OVER]), float(row[PREFERENCE_MARGIN]), NAME)
             for row in rows if row.get(PREFERRED_OVER) is not None
             and row["id"] in through and int(row[PREFERRED_OVER]) in through]
-
-
-def write_pairs(conn, rows: Sequence[dict], statuses: dict[int, str]) -> list[dict]:
-    """Store the marked pairs in the caller's transaction; one `added` operator event (on the
-    chosen experience) per pair stored, pairs stored before are skipped."""
-    pairs = marked_pairs(rows, statuses)
-    added = insert_pairs(conn, pairs)
-    return [{"experience_id": pair.chosen_id, "operator": NAME, "kind": "added",
-             "reason": f"{NAME}: preference pair {added[pair[:2]]}: experience {pair.chosen_id} "
-                       f"over {pair.rejected_id} (margin {pair.margin:.3g})",
-             "stats": {"preference_id": added[pair[:2]], "chosen_id": pair.chosen_id,
-                       "rejected_id": pair.rejected_id, "margin": pair.margin}}
-            for pair in pairs if pair[:2] in added]

@@ -1,7 +1,7 @@
 """Operators that read the store: staleness, dedup against stored rows, task difficulty.
 
 They use the store of the pipeline running them; in a plain Data-Juicer recipe, pass `db_url`
-(or set RESERVOIR_DB_URL).
+(or set RESERVOIR_DB_URL): each batch then opens the store at that URL and closes it after.
 """
 
 from __future__ import annotations
@@ -13,36 +13,38 @@ from typing import Iterator
 
 from data_juicer.ops.base_op import OPERATORS, Filter, Mapper
 from data_juicer.utils.constant import Fields
-from sqlalchemy import Engine
 
 from reservoir.operators.common import WHOLE, finite
 from reservoir.operators.priority import pass_rate_priority
-from reservoir.store.engine import sync_engine
-from reservoir.store.pipelines import stored_texts, task_pass_rates
-from reservoir.store.runs import latest_versions
+from reservoir.store import Store
 
-_current: Engine | None = None  # set by the pipeline runner (a global: forked workers see it)
+_current: Store | None = None  # set by the pipeline runner (a global: forked workers see it)
 
 
 @contextmanager
-def using(engine: Engine) -> Iterator[None]:
-    """Operators run inside this block read `engine`."""
+def using(store: Store) -> Iterator[None]:
+    """Operators run inside this block read `store`."""
     global _current
-    previous, _current = _current, engine
+    previous, _current = _current, store
     try:
         yield
     finally:
         _current = previous
 
 
-def engine_for(operator: str, db_url: str | None) -> Engine:
+@contextmanager
+def store_for(operator: str, db_url: str | None) -> Iterator[Store]:
+    """The store the operator reads: the one at `db_url`, else the running pipeline's, else
+    the one at RESERVOIR_DB_URL; a store opened from a URL is closed when the block ends."""
     url = db_url or (None if _current is not None else os.environ.get("RESERVOIR_DB_URL"))
     if url:
-        return sync_engine(url)
-    if _current is None:
+        with Store(url) as store:
+            yield store
+    elif _current is None:
         raise ValueError(f"{operator} reads the store: run it in a Reservoir pipeline, or give "
                          "it db_url (or set RESERVOIR_DB_URL)")
-    return _current
+    else:
+        yield _current
 
 
 @OPERATORS.register_module("staleness_filter")
@@ -58,8 +60,8 @@ class StalenessFilter(Filter):
 
     def compute_stats_batched(self, samples, *args, **kwargs):
         runs = sorted(set(samples["run_id"]))
-        with engine_for(self._name, self.db_url).connect() as conn:
-            latest = latest_versions(conn, runs)
+        with store_for(self._name, self.db_url) as store:
+            latest = store.runs.latest_versions(runs)
         for stats, run_id, version in zip(samples[Fields.stats], samples["run_id"],
                                           samples["policy_version"]):
             stats["staleness"] = staleness = latest.get(run_id, version) - version
@@ -91,8 +93,9 @@ class StoreDedupFilter(Filter):
 
     def compute_stats_batched(self, samples, *args, **kwargs):
         digests = [_digest(p, r) for p, r in zip(samples["prompt_text"], samples["response_text"])]
-        with engine_for(self._name, self.db_url).connect() as conn:
-            found = stored_texts(conn, set(digests), self.statuses, list(samples["id"]))
+        with store_for(self._name, self.db_url) as store:
+            found = store.pipelines.stored_texts(set(digests), self.statuses,
+                                                 list(samples["id"]))
         first: dict[str, int] = {}
         for stats, digest, row_id in zip(samples[Fields.stats], digests, samples["id"]):
             original = found.get(digest) or first.setdefault(digest, row_id)
@@ -121,8 +124,8 @@ class TaskDifficultyMapper(Mapper):
         self.set_priority, self.db_url = set_priority, db_url
 
     def _pass_rates(self, task_ids) -> dict[int, float]:
-        with engine_for(self._name, self.db_url).connect() as conn:
-            return task_pass_rates(conn, task_ids, self.component, self.threshold)
+        with store_for(self._name, self.db_url) as store:
+            return store.pipelines.task_pass_rates(task_ids, self.component, self.threshold)
 
     def process_batched(self, samples):
         rates = self._pass_rates(sorted({t for t in samples["task_id"] if t is not None}))

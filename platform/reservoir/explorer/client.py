@@ -21,8 +21,7 @@ from reservoir.chat import prompt_ids, render
 from reservoir.explorer.engine import Request
 from reservoir.explorer.openai_api import (ApiError, Limits, completion, completion_id,
                                            finish_reason, parse_chat)
-from reservoir.store import Experience
-from reservoir.store.episodes import Call, as_group, rewarded
+from reservoir.store import Call, Experience, as_group, rewarded
 
 MODEL = "policy"  # the model id completions carry; the one a request names is not checked
 

@@ -48,12 +48,7 @@ from reservoir.explorer.engines import make_engine
 from reservoir.explorer.openai_api import (ApiError, ChatRequest, Limits, bad, completion,
                                            completion_id, episode_of, episode_secret,
                                            finish_reason, parse_chat, parse_feedback, stream)
-from reservoir.store import Store
-from reservoir.store.episodes import (Call, check_caller, closing, open_episode, record_calls,
-                                      rewarded)
-from reservoir.store.notify import Listener
-from reservoir.store.retry import is_outage
-from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of
+from reservoir.store import POLICY_CHANNEL, Call, Listener, Store, closing, is_outage, rewarded
 
 RELOAD_POLL_S = 2.0  # look for a new policy this often even without a notification
 
@@ -79,8 +74,7 @@ class Server:
         self.config, self.token = config, token_for(config)
         self.model = config.serve.model_name or config.run.name
         self.store = Store.open(config, quiet=True)
-        with self.store.engine.connect() as conn:
-            self.run_id = run_id_of(conn, config.run.name)
+        self.run_id = self.store.runs.run_id_of(config.run.name)
         self.batcher = Batcher(make_engine(config, seed=config.run.seed))
         self.reload()  # the tag stays None (nothing served) until the trainer publishes
         self._stop = threading.Event()
@@ -94,8 +88,7 @@ class Server:
 
     def reload(self) -> None:
         """Take the run's latest published policy if it is newer than the one served."""
-        with self.store.engine.connect() as conn:
-            latest = latest_policy(conn, self.run_id)
+        latest = self.store.runs.latest_policy(self.run_id)
         if latest is not None and latest[0] != self.batcher.tag:
             with self.batcher.exclusive() as engine:
                 take_policy(engine, latest[1], self.config.model.path)
@@ -137,8 +130,7 @@ class Server:
                            code="no_policy")
         episode = episode_of(episode_header, request)
         if episode is not None:  # refused before the model works for it
-            with self.store.engine.connect() as conn:
-                check_caller(conn, self.run_id, episode, secret)
+            self.store.episodes.check_caller(self.run_id, episode, secret)
         tokenizer = self.batcher.engine.tokenizer
         try:
             ids = prompt_ids(tokenizer, request.messages, tools=request.tools)
@@ -159,16 +151,15 @@ class Server:
         calls = [Call(call_id, index, version, request.temperature, prompt, sample.raw_text,
                       sample.prompt_ids, sample.response_ids, sample.logprobs,
                       finish_reason(sample)) for index, sample in enumerate(samples)]
-        with self.store.engine.begin() as conn:  # the last thing: a failure above stores nothing
-            _, made = record_calls(conn, self.run_id, episode, calls, secret=secret)
+        # the last thing: a failure above stores nothing
+        _, made = self.store.episodes.record_calls(self.run_id, episode, calls, secret=secret)
         return response, episode, made, request
 
     def feedback(self, body, secret_header: str | None) -> dict:
         """The episode's responses, rewarded, written as one group; it takes no more calls."""
         given = parse_feedback(body, self.config.explorer.reward_range, secret_header)
-        with self.store.engine.connect() as conn:
-            episode = open_episode(conn, self.config.run.name, self.run_id, given.episode,
-                                   given.secret)
+        episode = self.store.episodes.open_episode(self.config.run.name, self.run_id,
+                                                   given.episode, given.secret)
         n = len(episode.group)
         rewards = given.rewards or [given.reward] * n
         if len(rewards) != n:

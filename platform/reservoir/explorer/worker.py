@@ -26,12 +26,8 @@ from reservoir.explorer.engines import make_engine
 from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.policy import Sampling
 from reservoir.explorer.workflow import Task, explore, make_workflow
-from reservoir.store import Store
-from reservoir.store.notify import Listener
-from reservoir.store.pace import Pace, claim_budget
-from reservoir.store.retry import Patience, Resumption, is_outage
-from reservoir.store.runs import POLICY_CHANNEL, latest_policy, run_id_of, status_of
-from reservoir.store.tasks import claim_tasks, finishing, release_claims
+from reservoir.store import (POLICY_CHANNEL, Listener, Pace, Patience, Resumption, Store,
+                             finishing, is_outage)
 from reservoir.plan.stages import last_step, plan, step_seed
 
 DONE = ("finished", "stopped")  # a failed run waits for its trainer to resume (Resumption)
@@ -89,8 +85,7 @@ class ExplorerWorker:
         patience = Patience(self.config.store.outage_patience_s, say=print)
         with Store.open(self.config, quiet=True) as store, Batcher(engine, inline=True) as batcher, \
                 Listener(store.engine, POLICY_CHANNEL) as listener:
-            with store.engine.connect() as conn:
-                run_id = run_id_of(conn, self.config.run.name)
+            run_id = store.runs.run_id_of(self.config.run.name)
             resumption = Resumption(self.config.run.name, self.config.run.resume_wait_s,
                                     say=lambda line: print(f"{self.name}: {line}", flush=True))
             try:
@@ -110,8 +105,7 @@ class ExplorerWorker:
         """Give back the claims this worker holds (after a lost round, or when it stops; if
         the store is out then, they expire by themselves)."""
         try:
-            with store.engine.begin() as conn:
-                release_claims(conn, self.token)
+            store.tasks.release_claims(self.token)
         except Exception as exc:
             if not (quietly and is_outage(exc)):
                 raise
@@ -119,8 +113,7 @@ class ExplorerWorker:
     def round(self, store: Store, run_id: int, batcher: Batcher, stats: ExplorerStats) -> str:
         """One round: 'done' (the run ended), 'failed' (its trainer failed), 'wait' (nothing
         to do yet) or 'explored'."""
-        with store.engine.connect() as conn:
-            status, policy = status_of(conn, run_id), latest_policy(conn, run_id)
+        status, policy = store.runs.status_of(run_id), store.runs.latest_policy(run_id)
         if status in DONE:
             return "done"
         if status == "failed":
@@ -158,13 +151,10 @@ class ExplorerWorker:
                     group_size=config.explorer.n, steps=last_step(stages),
                     explorer_stages=tuple((s.first_step, s.last_step, s.batch)
                                           for s in stages if s.explores))
-        with store.engine.begin() as conn:
-            version, budget = claim_budget(conn, run_id, pace)
-            if version != self.version:
-                return None
-            return claim_tasks(conn, run_id, min(budget, config.explorer.batch_tasks),
-                               token=self.token, worker=self.name,
-                               seconds=config.explorer.claim_seconds)
+        return store.tasks.claim_within_pace(run_id, pace, loaded=self.version,
+                                             most=config.explorer.batch_tasks, token=self.token,
+                                             worker=self.name,
+                                             seconds=config.explorer.claim_seconds)
 
     def _load(self, engine: Engine, version: int, location: str | None,
               stats: ExplorerStats) -> None:

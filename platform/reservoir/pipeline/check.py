@@ -8,7 +8,7 @@ from reservoir.errors import ConfigError
 from reservoir.pipeline.bridge import Step, build_steps
 from reservoir.pipeline.spec import PipelineSpec, load_pipeline
 from reservoir.pipeline.validate import check_specs
-from reservoir.store.source import FIELDS
+from reservoir.store import FIELDS
 
 # Fields Reservoir's own operators add to rows, and the group size validation computes.
 ADDED_FIELDS = ("task_difficulty", "review_reason", "_group_size", "preferred_over",

@@ -23,7 +23,7 @@ from typing import Any
 from reservoir.config import DEFAULT_REWARD_RANGE
 from reservoir.errors import ReservoirError
 from reservoir.pipeline.validate import Outcome, jsonable
-from reservoir.store import pipelines as queries
+from reservoir.store import Changes
 
 TRACKED = ("response_text", "prompt_text", "reward", "shaped_reward", "reward_components",
            "metadata", "priority")
@@ -56,8 +56,8 @@ class Trace:
 
 def decide(spec, originals: dict, final: list[dict], trace: Trace, outcomes: list[Outcome],
            pipeline_run: int,
-           reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE) -> queries.Changes:
-    changes = queries.Changes()
+           reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE) -> Changes:
+    changes = Changes()
     failing = _validation_failures(spec, outcomes, changes)
     for row_id, event in trace.dropped.items():
         changes.statuses[row_id] = spec.output.dropped
@@ -96,7 +96,7 @@ def decide(spec, originals: dict, final: list[dict], trace: Trace, outcomes: lis
 
 
 def _keep_groups_whole(originals: dict, final: list[dict], trace: Trace, failing: set[int],
-                       changes: queries.Changes) -> None:
+                       changes: Changes) -> None:
     """Partners of a row that will never train (dropped, failed validation, retired unpicked)
     are quarantined; an unpicked row that keeps its status may still train, so its group
     waits whole."""
@@ -188,7 +188,7 @@ def _differs(a, b) -> bool:
     return a != b
 
 
-def _status(spec, row: dict, failing: set[int], changes: queries.Changes) -> str:
+def _status(spec, row: dict, failing: set[int], changes: Changes) -> str:
     """What a row that came through becomes: quarantined, held for review, or output.status."""
     row_id = row["id"]
     if row_id in failing:
@@ -215,7 +215,7 @@ def _child(row: dict, values: dict, spec, pipeline_run: int, failing: set[int],
                         for r in _only(records, set(CONTENT))]}
 
 
-def _validation_failures(spec, outcomes: list[Outcome], changes: queries.Changes) -> set[int]:
+def _validation_failures(spec, outcomes: list[Outcome], changes: Changes) -> set[int]:
     """Store every result; the ids to quarantine (on_failure: quarantine)."""
     on_failure = spec.validate_.on_failure
     failing: set[int] = set()
@@ -244,20 +244,6 @@ def _validation_failures(spec, outcomes: list[Outcome], changes: queries.Changes
                         {"kwargs": outcome.kwargs}))
                 failing.add(row_id)
     return failing
-
-
-def keep_unchanged(conn, changes: queries.Changes, originals: dict) -> int:
-    """Drop decisions about rows another writer changed since they were read; how many."""
-    ids = sorted(set(changes.statuses) | set(changes.values) | set(changes.held)
-                 | {child["parent"] for child in changes.children})
-    fresh = queries.lock_unchanged(conn, ids, {i: originals[i]["status"] for i in ids})
-    stale = set(ids) - fresh
-    for mapping in (changes.statuses, changes.values, changes.held):
-        for row_id in stale:
-            mapping.pop(row_id, None)
-    changes.events = [e for e in changes.events if e.get("experience_id") not in stale]
-    changes.children = [c for c in changes.children if c["parent"] not in stale]
-    return len(stale)
 
 
 def _stored(name: str, value):

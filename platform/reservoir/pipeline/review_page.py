@@ -40,8 +40,7 @@ from tokenizers import Tokenizer
 from reservoir.errors import ConfigError, ReservoirError, RowUnknown
 from reservoir.http import Guard, served_hosts
 from reservoir.pipeline.review_templates import TEMPLATES
-from reservoir.store import Store, codec
-from reservoir.store.reviews import label, next_pair, pending, prefer, recent_actions, set_label
+from reservoir.store import MASK, TOKEN, Store, decode
 
 COOKIE = "reservoir_review"
 REVIEWER = re.compile(r"[\w.@ -]{1,100}")
@@ -137,12 +136,12 @@ def with_turns(row: dict) -> dict:
     environment took part in (its action mask has zeros), split by the mask and decoded with
     the run's tokenizer (its special tokens name an environment turn's role: tool, user ...);
     else None."""
-    mask = codec.decode(row.get("action_mask"), codec.MASK) if row.get("action_mask") else None
+    mask = decode(row.get("action_mask"), MASK) if row.get("action_mask") else None
     tokenizer = _tokenizer(row["model"]) if mask is not None and not mask.all() and \
         row.get("model") else None
     if tokenizer is None:
         return {**row, "turns": None}
-    ids, turns, start = codec.decode(row["response_ids"], codec.TOKEN).tolist(), [], 0
+    ids, turns, start = decode(row["response_ids"], TOKEN).tolist(), [], 0
     for end in range(1, len(ids) + 1):
         if end == len(ids) or mask[end] != mask[start]:
             text = tokenizer.decode(ids[start:end], skip_special_tokens=False)
@@ -183,8 +182,7 @@ def _pages(reviewing: Reviewing) -> FastAPI:
 
     def act(action) -> None:
         try:
-            with reviewing.store.engine.begin() as conn:
-                action(conn)
+            action()
         except RowUnknown as exc:
             raise Refused(404, str(exc)) from None
         except ReservoirError as exc:
@@ -193,8 +191,7 @@ def _pages(reviewing: Reviewing) -> FastAPI:
     @app.get("/", response_class=HTMLResponse)
     def reviews(request: Request) -> HTMLResponse:
         can_read(request)
-        with reviewing.store.engine.connect() as conn:
-            rows = pending(conn, reviewing.run, PAGE_SIZE)
+        rows = reviewing.store.reviews.pending(reviewing.run, PAGE_SIZE)
         return reviewing.page("reviews", request, rows=[with_turns(row) for row in rows])
 
     @app.post("/reviews/{review_id}")
@@ -203,11 +200,12 @@ def _pages(reviewing: Reviewing) -> FastAPI:
         reviewer = writer(request, csrf)
         values = labels(note, tags)
         if action == "label":
-            act(lambda conn: set_label(conn, review_id, reviewer=reviewer, values=values,
-                                       run=reviewing.run))
+            act(lambda: reviewing.store.reviews.set_label(review_id, reviewer=reviewer,
+                                                          values=values, run=reviewing.run))
         elif action in ("accept", "reject"):
-            act(lambda conn: label(conn, review_id, verdict=action, reviewer=reviewer,
-                                   values=values, source="web", run=reviewing.run))
+            act(lambda: reviewing.store.reviews.label(review_id, verdict=action,
+                                                      reviewer=reviewer, values=values,
+                                                      source="web", run=reviewing.run))
         else:
             raise Refused(400, f"action {action[:20]!r}: accept, reject or label")
         return RedirectResponse(f"/?done={action}+{review_id}", status_code=303)
@@ -215,8 +213,7 @@ def _pages(reviewing: Reviewing) -> FastAPI:
     @app.get("/compare", response_class=HTMLResponse)
     def compare(request: Request, after: int = 0) -> HTMLResponse:
         can_read(request)
-        with reviewing.store.engine.connect() as conn:
-            pair = next_pair(conn, reviewing.run, after)
+        pair = reviewing.store.reviews.next_pair(reviewing.run, after)
         return reviewing.page("compare", request, pair=[with_turns(row) for row in pair],
                               after=after)
 
@@ -224,15 +221,14 @@ def _pages(reviewing: Reviewing) -> FastAPI:
     def choose(request: Request, chosen: int = Form(...), rejected: int = Form(...),
                after: int = Form(0), csrf: str = Form("")) -> Response:
         reviewer = writer(request, csrf)
-        act(lambda conn: prefer(conn, chosen, rejected, reviewer=reviewer, source="web",
-                                run=reviewing.run))
+        act(lambda: reviewing.store.reviews.prefer(chosen, rejected, reviewer=reviewer,
+                                                   source="web", run=reviewing.run))
         return RedirectResponse(f"/compare?after={after}&done=prefer+{chosen}", status_code=303)
 
     @app.get("/actions", response_class=HTMLResponse)
     def actions(request: Request) -> HTMLResponse:
         can_read(request)
-        with reviewing.store.engine.connect() as conn:
-            rows = recent_actions(conn, 100)
+        rows = reviewing.store.reviews.recent_actions(100)
         return reviewing.page("actions", request, rows=rows)
 
     @app.get("/login", response_class=HTMLResponse)

@@ -25,15 +25,11 @@ import pandas as pd
 from reservoir.errors import ConfigError, ReservoirError
 from reservoir.pipeline.bridge import Step, dataset, run_step
 from reservoir.pipeline.check import check_spec
-from reservoir.pipeline.decide import (JSON_FIELDS, TRACKED, PipelineFailed, Trace, decide,
-                                       keep_unchanged)
+from reservoir.pipeline.decide import JSON_FIELDS, TRACKED, PipelineFailed, Trace, decide
 from reservoir.pipeline.spec import PipelineSpec
 from reservoir.pipeline.tokens import reencode
 from reservoir.pipeline.validate import Outcome, jsonable, validate
-from reservoir.store import Store
-from reservoir.store import pipelines as queries
-from reservoir.store.runs import run_id_of
-from reservoir.store.source import Source, select_rows
+from reservoir.store import Changes, Source, Store, select_rows
 
 __all__ = ["PipelineFailed", "PipelineResult", "run_pipeline"]
 
@@ -44,7 +40,7 @@ class PipelineResult:
     rows_in: int
     rows_out: int
     operators: list[dict[str, Any]]
-    changes: queries.Changes
+    changes: Changes
     validations: list[Outcome]
     dry_run: bool = False
     skipped: int = 0  # rows another writer changed between reading and writing back
@@ -60,23 +56,19 @@ def run_pipeline(store: Store, spec: PipelineSpec, *, runs: list[str] | None = N
                  progress: Callable[[str], None] | None = None) -> PipelineResult:
     """Run once; raises PipelineFailed (or ConfigError before anything is written)."""
     steps = check_spec(spec)
-    with store.engine.connect() as conn:
-        run_ids = [run_id_of(conn, name) for name in spec.runs_to_read(runs)]
-    with store.engine.connect() as session:  # held open: its life is the run's
-        with session.begin():
-            queries.mark_abandoned(session)
-            pipeline_run = queries.start_run(
-                session, pipeline=spec.name, spec=spec.model_dump(mode="json", by_alias=True),
-                spec_hash=spec.digest(), source_file=source_file, run_ids=run_ids,
-                trigger="dry-run" if dry_run else trigger, schedule_id=schedule_id)
+    run_ids = [store.runs.run_id_of(name) for name in spec.runs_to_read(runs)]
+    with store.pipelines.running(
+            pipeline=spec.name, spec=spec.model_dump(mode="json", by_alias=True),
+            spec_hash=spec.digest(), source_file=source_file, run_ids=run_ids,
+            trigger="dry-run" if dry_run else trigger, schedule_id=schedule_id) as pipeline_run:
         started = time.monotonic()
         try:
             return _run(store, spec, steps, run_ids, pipeline_run, started, dry_run,
                         progress or (lambda _: None))
         except BaseException as exc:
-            with store.engine.begin() as conn:
-                queries.finish_run(conn, pipeline_run, status="failed",
-                                   duration_s=time.monotonic() - started, error=_describe(exc))
+            store.pipelines.finish_run(pipeline_run, status="failed",
+                                       duration_s=time.monotonic() - started,
+                                       error=_describe(exc))
             if isinstance(exc, (ConfigError, PipelineFailed)) or not isinstance(exc, Exception):
                 raise
             raise PipelineFailed(f"pipeline {spec.name!r} failed, nothing was changed "
@@ -90,26 +82,30 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
         order_by=source.order_by, limit=source.limit, timeout_s=source.timeout_s))
     progress(f"{len(rows)} rows selected")
     originals = {row["id"]: _to_dataset_row(row) for row in rows}
-    from reservoir.operators.preferences import write_pairs  # after build_steps, as below
+    from reservoir.operators.preferences import marked_pairs  # after build_steps, as below
     from reservoir.operators.store_ops import using  # after build_steps: Data-Juicer imported quietly
 
-    with using(store.engine):  # operators that read the store read this one
+    with using(store):  # operators that read the store read this one
         final, trace = _process(list(originals.values()), steps, progress)
     outcomes = validate(pd.DataFrame(final), spec.validate_.expectations) if final else []
     changes = decide(spec, originals, final, trace, outcomes, pipeline_run,
                      store.aio.reward_range)
     result = PipelineResult(pipeline_run, len(rows), len(final), trace.operators, changes,
                             outcomes, dry_run=dry_run)
-    with store.engine.begin() as conn:
-        if not dry_run:
-            result.skipped = keep_unchanged(conn, changes, originals)
-            reencode(conn, changes, originals)
-            changes.events += write_pairs(conn, final, changes.statuses)  # preference pairs
-            queries.apply(conn, pipeline_run, changes)
-        queries.finish_run(conn, pipeline_run, status="dry_run" if dry_run else "succeeded",
-                           duration_s=time.monotonic() - started, rows_in=len(rows),
-                           rows_out=len(final), rows_dropped=len(rows) - len(final),
-                           operators=trace.operators)
+    counts = dict(rows_in=len(rows), rows_out=len(final), rows_dropped=len(rows) - len(final),
+                  operators=trace.operators)
+    if dry_run:
+        store.pipelines.finish_run(pipeline_run, status="dry_run",
+                                   duration_s=time.monotonic() - started, **counts)
+        return result
+
+    def settle():  # after the rows changed meanwhile are left out: their pairs go too
+        reencode(store, changes, originals)
+        return marked_pairs(final, changes.statuses)
+
+    read = {row_id: row["status"] for row_id, row in originals.items()}
+    result.skipped = store.pipelines.write_back(pipeline_run, changes, read, settle,
+                                                started=started, **counts)
     return result
 
 

@@ -21,9 +21,7 @@ from reservoir.errors import ConfigError, ReservoirError
 from reservoir.pipeline.check import check_file
 from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import check_cron, load_pipeline
-from reservoir.store import Store
-from reservoir.store import schedules as queries
-from reservoir.store.retry import Patience
+from reservoir.store import Patience, Store
 
 MAX_MISSED_COUNTED = 10_000
 
@@ -58,30 +56,27 @@ def add_schedule(store: Store, file: Path, cron: str | None = None,
     if not spec.source.runs:
         raise ConfigError(f"{file}: source.runs: a scheduled pipeline names the runs it reads "
                           "(runs: [NAME, ...]) or says runs: all; nothing was scheduled")
-    with store.engine.begin() as conn:
-        schedule_id = queries.add(conn, name=name or spec.name,
-                                  pipeline_file=str(Path(file).resolve()), cron=cron,
-                                  next_run_at=next_time(cron, datetime.now(timezone.utc)))
+    schedule_id = store.schedules.add(name=name or spec.name,
+                                      pipeline_file=str(Path(file).resolve()), cron=cron,
+                                      next_run_at=next_time(cron, datetime.now(timezone.utc)))
     return schedule_id, cron
 
 
 def run_due(store: Store, console: Console) -> list[int]:
     """Run every due schedule this scheduler can lock; the ids of the schedules it ran."""
-    with store.engine.connect() as conn:
-        candidates = queries.due(conn)
+    candidates = store.schedules.due()
     ran = []
     for schedule in candidates:
-        with store.engine.begin() as lock:
-            current = queries.lock_if_due(lock, schedule["id"])
-            if current is None:
+        with store.schedules.held_if_due(schedule["id"]) as held:
+            if held is None:
                 continue  # run by another scheduler, or no longer due
-            _run_one(store, lock, current, console)
+            _run_one(store, held, console)
             ran.append(schedule["id"])
     return ran
 
 
-def _run_one(store: Store, lock, schedule: dict, console: Console) -> None:
-    now = datetime.now(timezone.utc)
+def _run_one(store: Store, held, console: Console) -> None:
+    schedule, now = held.schedule, datetime.now(timezone.utc)
     missed = missed_times(schedule["cron"], schedule["next_run_at"], now)
     if missed:
         console.print(f"[yellow]schedule {schedule['name']!r}: {missed} due times were missed "
@@ -94,8 +89,7 @@ def _run_one(store: Store, lock, schedule: dict, console: Console) -> None:
                       f"{result.rows_in} rows in, {result.rows_out} out")
     except ReservoirError as exc:  # recorded in its pipeline_runs row; the schedule goes on
         console.print(f"[red]schedule {schedule['name']!r} failed:[/] {exc}")
-    queries.advance(lock, schedule["id"], next_run_at=next_time(schedule["cron"], now),
-                    missed=missed)
+    held.advance(next_run_at=next_time(schedule["cron"], now), missed=missed)
 
 
 def serve(store: Store, console: Console, *, poll_s: float = 10.0, once: bool = False,

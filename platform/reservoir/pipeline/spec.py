@@ -46,7 +46,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 from reservoir.config import RunName, describe_errors, expression
 from reservoir.errors import ConfigError
 from reservoir.yamlfile import read_yaml
-from reservoir.store.source import ORDERABLE
+from reservoir.store import ORDERABLE
 
 
 class Part(BaseModel):

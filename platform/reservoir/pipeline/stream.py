@@ -20,12 +20,8 @@ from reservoir.config import ReservoirConfig
 from reservoir.errors import ConfigError
 from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import PipelineSpec, load_pipeline
-from reservoir.store import Store
-from reservoir.store.notify import Listener, rows_channel
-from reservoir.store.pipelines import has_rows
+from reservoir.store import Listener, Patience, Resumption, Store, rows_channel
 from reservoir.errors import ReservoirError
-from reservoir.store.retry import Patience, Resumption
-from reservoir.store.runs import lookup, status_of
 
 # Rows written to a run notify its channel, which wakes the stream at once; the poll is a
 # fallback (and the only wake-up of a stream over every run, which has no channel to listen on).
@@ -89,8 +85,7 @@ class PipelineWorker:
         explored); a pass with nothing to do writes nothing."""
         spec = stream_spec(self.path)
         runs = spec.runs_to_read(self.runs)
-        with store.engine.connect() as conn:
-            run_ids = [row.id for row in conn.execute(lookup(runs))]
+        run_ids = list(store.runs.ids_of(runs).values())
         self._pass(store, spec, runs, run_ids, self.stats)
         return self.stats
 
@@ -98,8 +93,7 @@ class PipelineWorker:
         """The runs' ids, once each exists (waiting up to run.resume_wait_s, saying so)."""
         limit, waited = self.config.run.resume_wait_s, 0.0
         while True:
-            with store.engine.connect() as conn:
-                found = {row.name: row.id for row in conn.execute(lookup(runs))}
+            found = store.runs.ids_of(runs)
             missing = [name for name in runs if name not in found]
             if not missing:
                 return [found[name] for name in runs]
@@ -118,9 +112,8 @@ class PipelineWorker:
               stats: StreamStats) -> tuple[str, bool]:
         """('ended': its runs ended and nothing is left, 'idle': nothing to do, or 'ran'),
         and whether one of its runs is failed (its trainer may resume)."""
-        with store.engine.connect() as conn:
-            pending = has_rows(conn, run_ids, spec.source.status)
-            statuses = [status_of(conn, r) for r in run_ids]
+        pending = store.pipelines.has_rows(run_ids, spec.source.status)
+        statuses = [store.runs.status_of(r) for r in run_ids]
         failed = "failed" in statuses
         if not pending:
             ended = bool(run_ids) and all(status in DONE for status in statuses)

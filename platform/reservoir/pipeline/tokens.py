@@ -11,14 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Connection
 
 from reservoir.errors import ReservoirError
-from reservoir.store import codec
-from reservoir.store.pipelines import Changes, run_models
+from reservoir.store import MASK, TOKEN, Changes, Store, encode
 
 
-def reencode(conn: Connection, changes: Changes, originals: dict[int, dict]) -> int:
+def reencode(store: Store, changes: Changes, originals: dict[int, dict]) -> int:
     """Give every row (or augmented child) whose response_text changed new response_ids and
     an action mask over them all; returns how many."""
     rewritten = [(row_id, values) for row_id, values in changes.values.items()
@@ -27,13 +25,13 @@ def reencode(conn: Connection, changes: Changes, originals: dict[int, dict]) -> 
                   if child["response_text"] != originals[child["parent"]]["response_text"]]
     if not rewritten:
         return 0
-    models = run_models(conn, {originals[row_id]["run_id"] for row_id, _ in rewritten})
+    models = store.pipelines.run_models({originals[row_id]["run_id"] for row_id, _ in rewritten})
     tokenizers = {run_id: _tokenizer(run_id, path) for run_id, path in models.items()}
     for row_id, values in rewritten:
         tokenizer = tokenizers[originals[row_id]["run_id"]]
         ids = np.asarray(tokenizer(values["response_text"], add_special_tokens=False)["input_ids"])
-        values["response_ids"] = codec.encode(ids, codec.TOKEN)
-        values["action_mask"] = codec.encode(np.ones(len(ids)), codec.MASK)
+        values["response_ids"] = encode(ids, TOKEN)
+        values["action_mask"] = encode(np.ones(len(ids)), MASK)
     return len(rewritten)
 
 

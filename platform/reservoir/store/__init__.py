@@ -25,7 +25,7 @@ _EXPORTS = {
     # pace, notifications and patience with the database
     "Pace": "pace", "Listener": "notify", "rows_channel": "notify", "POLICY_CHANNEL": "runs",
     "Patience": "retry", "Resumption": "retry", "describe_outage": "retry",
-    "is_outage": "retry",
+    "is_outage": "retry", "finishing": "tasks",
     # SQL a person typed, and what the CLI shows
     "run_sql": "inspect", "run_summary": "inspect", "experience_detail": "inspect",
     "DEMO_RUNS": "inspect", "DEMO_STEPS": "inspect", "DEMO_TRAINED": "inspect",
@@ -35,7 +35,7 @@ _EXPORTS = {
     "start_server": "admin", "stop_server": "admin", "upgrade_schema": "admin",
     "downgrade_schema": "admin", "schema_status": "admin", "set_login_password": "admin",
     # binary columns
-    "decode": "codec", "TOKEN": "codec", "MASK": "codec", "LOGPROB": "codec",
+    "encode": "codec", "decode": "codec", "TOKEN": "codec", "MASK": "codec", "LOGPROB": "codec",
 }
 __all__ = sorted(_EXPORTS)
 

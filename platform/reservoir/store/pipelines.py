@@ -1,17 +1,20 @@
 """Queries for pipelines: their runs, the rows they read, and everything they write back.
 
-A pipeline's changes are written by `apply` in the caller's transaction: row updates, child
-rows, operator events, validations and task fields together, so they commit whole or not at
-all. The pipeline_runs row is written in transactions of its own, so a failed run leaves it
+A pipeline's changes are written by `write_back` in one transaction with its pipeline_runs row
+marked succeeded: row updates, child rows, preference pairs, operator events, validations and
+task fields together, so they commit whole or not at all. Otherwise the pipeline_runs row is
+written in transactions of its own (`running`, `finish_run`), so a failed run leaves it
 (status failed, the error) and nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, and_, bindparam, case,
                         func, insert, literal_column, Numeric, select, text, update)
@@ -20,6 +23,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from reservoir.store.door import Door, reading, writing
 from reservoir.store.ledger import finite
 from reservoir.store.notify import ROWS_CHANNEL
+from reservoir.store.preferences import Pair, insert_pairs
 from reservoir.store.runs import add_inserted
 from reservoir.plan.urls import scrub
 from reservoir.store.schema import experience_state as state
@@ -95,6 +99,50 @@ def lock_unchanged(conn: Connection, ids: list[int], statuses: dict[int, str]) -
     rows = conn.execute(select(state.c.id, state.c.status)
                         .where(state.c.id.in_(ids)).with_for_update())
     return {row.id for row in rows if statuses.get(row.id) == row.status}
+
+
+def keep_unchanged(conn: Connection, changes: Changes, read: dict[int, str]) -> int:
+    """Lock the rows the changes are about and drop the decisions about rows another writer
+    changed since they were read (`read`: each row's status then); how many were dropped."""
+    ids = sorted(set(changes.statuses) | set(changes.values) | set(changes.held)
+                 | {child["parent"] for child in changes.children})
+    fresh = lock_unchanged(conn, ids, {i: read[i] for i in ids})
+    stale = set(ids) - fresh
+    for mapping in (changes.statuses, changes.values, changes.held):
+        for row_id in stale:
+            mapping.pop(row_id, None)
+    changes.events = [e for e in changes.events if e.get("experience_id") not in stale]
+    changes.children = [c for c in changes.children if c["parent"] not in stale]
+    return len(stale)
+
+
+def write_back(conn: Connection, pipeline_run_id: int, changes: Changes, read: dict[int, str],
+               settle: Callable[[], Sequence[Pair]], *, started: float, **counts) -> int:
+    """Everything a pipeline run writes, committed together with its pipeline_runs row marked
+    succeeded (`counts`: rows_in, rows_out, rows_dropped, operators; the duration since
+    `started`, a time.monotonic()). In order: `keep_unchanged`; `settle()` finishes the
+    changes left (re-encodes rewritten responses) and returns the preference pairs to store;
+    the pairs new to the store, each with an `added` event on its chosen row; `apply`.
+    Returns how many rows were skipped, changed by another writer meanwhile."""
+    skipped = keep_unchanged(conn, changes, read)
+    pairs = settle()
+    added = insert_pairs(conn, pairs)
+    changes.events += [_pair_added(pair, added[pair[:2]]) for pair in pairs
+                       if pair[:2] in added]
+    apply(conn, pipeline_run_id, changes)
+    finish_run(conn, pipeline_run_id, status="succeeded",
+               duration_s=time.monotonic() - started, **counts)
+    return skipped
+
+
+def _pair_added(pair: Pair, preference_id: int) -> dict[str, Any]:
+    """The event of a stored pair, on its chosen row, named for its source (the operator
+    that marked it)."""
+    return {"experience_id": pair.chosen_id, "operator": pair.source, "kind": "added",
+            "reason": f"{pair.source}: preference pair {preference_id}: experience "
+                      f"{pair.chosen_id} over {pair.rejected_id} (margin {pair.margin:.3g})",
+            "stats": {"preference_id": preference_id, "chosen_id": pair.chosen_id,
+                      "rejected_id": pair.rejected_id, "margin": pair.margin}}
 
 
 def apply(conn: Connection, pipeline_run_id: int, changes: Changes) -> None:
@@ -322,3 +370,16 @@ class Pipelines(Door):
     start_run = writing(start_run)
     finish_run = writing(finish_run)
     mark_abandoned = writing(mark_abandoned)
+    write_back = writing(write_back)
+
+    @contextlib.contextmanager
+    def running(self, **start) -> Iterator[int]:
+        """A pipeline run's `running` row (its id; `start`: `start_run`'s values), written
+        with the abandoned runs marked, on a server session held open until the block ends:
+        if the process dies, the next run (or `history`) sees the session gone and calls the
+        run abandoned."""
+        with self.engine.connect() as session:
+            with session.begin():
+                mark_abandoned(session)
+                pipeline_run = start_run(session, **start)
+            yield pipeline_run

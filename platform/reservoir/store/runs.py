@@ -80,6 +80,11 @@ def run_id_of(conn: Connection, name: str) -> int:
     return run_id
 
 
+def ids_of(conn: Connection, names: list[str]) -> dict[str, int]:
+    """{name: id} of those of the named runs that exist."""
+    return {row.name: row.id for row in conn.execute(lookup(names))}
+
+
 def config_of(conn: Connection, name: str) -> dict[str, Any]:
     """The config a run was created with (as stored: without secrets)."""
     config = conn.execute(select(runs.c.config).where(runs.c.name == name)).scalar()
@@ -245,6 +250,7 @@ class Runs(Door):
     """`store.runs`: runs, their lineage and published policy versions."""
 
     run_id_of = reading(run_id_of)
+    ids_of = reading(ids_of)
     config_of = reading(config_of)
     parent_of = reading(parent_of)
     latest_policy = reading(latest_policy)

@@ -7,8 +7,10 @@ any advisory lock) cannot hold a schedule back."""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Iterator
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
@@ -54,6 +56,19 @@ def advance(conn: Connection, schedule_id: int, *, next_run_at: datetime, missed
         missed_runs=schedules.c.missed_runs + missed))
 
 
+@dataclass(frozen=True)
+class Held:
+    """A due schedule whose row this scheduler holds (`schedule`: the row) until the block of
+    `Schedules.held_if_due` ends."""
+
+    schedule: dict[str, Any]
+    _conn: Connection
+
+    def advance(self, *, next_run_at: datetime, missed: int) -> None:
+        """The next due time, and `missed` due times counted; commits when the block ends."""
+        advance(self._conn, self.schedule["id"], next_run_at=next_run_at, missed=missed)
+
+
 class Schedules(Door):
     """`store.schedules`: pipelines run on a cron schedule."""
 
@@ -61,3 +76,13 @@ class Schedules(Door):
     due = reading(due)
     add = writing(add)
     remove = writing(remove)
+
+    @contextlib.contextmanager
+    def held_if_due(self, schedule_id: int) -> Iterator[Held | None]:
+        """The schedule held for the block if it is still due and no other scheduler holds it
+        (None: nothing to run). Its row stays locked until the block ends, so the pipeline
+        run inside and `Held.advance` happen once per due time; the advance commits when the
+        block ends, and an exception out of the block rolls it back."""
+        with self.engine.begin() as conn:
+            row = lock_if_due(conn, schedule_id)
+            yield None if row is None else Held(row, conn)

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from reservoir.store.door import Door, reading, writing
 from reservoir.errors import ClaimLost
+from reservoir.store.pace import Pace, claim_budget
 from reservoir.store.schema import tasks
 
 Claimed = tuple[int, str, str | None, dict]  # id, prompt, answer, payload
@@ -65,6 +66,20 @@ def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, w
                     claimed_until=func.now() + timedelta(seconds=seconds))
             .returning(tasks.c.id, tasks.c.prompt, tasks.c.answer, tasks.c.payload))
     return sorted((tuple(row) for row in conn.execute(stmt)), key=lambda row: row[0])
+
+
+def claim_within_pace(conn: Connection, run_id: int, pace: Pace, *, loaded: int | None,
+                      most: int, token: uuid.UUID, worker: str,
+                      seconds: float) -> list[Claimed] | None:
+    """Claim up to `most` tasks within the run's claim budget (`pace.claim_budget`), only if
+    the latest published version is `loaded`, the one the worker holds: None (nothing
+    claimed) when a newer one appeared. The budget's run-row lock and the claims commit
+    together, so concurrent workers cannot overshoot the budget."""
+    version, budget = claim_budget(conn, run_id, pace)
+    if version != loaded:
+        return None
+    return claim_tasks(conn, run_id, min(budget, most), token=token, worker=worker,
+                       seconds=seconds)
 
 
 def finishing(token: uuid.UUID, task_ids: list[int]):
@@ -119,6 +134,7 @@ class Tasks(Door):
     add_tasks = writing(add_tasks)
     copy_tasks = writing(copy_tasks)
     claim_tasks = writing(claim_tasks)
+    claim_within_pace = writing(claim_within_pace)
     release_claims = writing(release_claims)
     release_run_claims = writing(release_run_claims)
     mark_explored = writing(mark_explored)
