@@ -29,7 +29,7 @@ class Transition:
 
 TRANSITIONS = (
     Transition(("raw", "ready", "quarantined"), ("ready", "quarantined", "retired", "held"),
-               "a pipeline's run (pipelines.apply)", "an operator, a check or a filter decides; "
+               "store.pipelines.write_back", "an operator, a check or a filter decides; "
                "the rows of a group it broke that could still train are quarantined too"),
     Transition(("held",), ("ready", "quarantined"), "store.reviews.label",
                "a person accepts or rejects the row"),

@@ -20,6 +20,7 @@ from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, and_, 
                         func, insert, literal_column, Numeric, select, text, update)
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 
+from reservoir.store import lifecycle
 from reservoir.store.door import Door, reading, writing
 from reservoir.store.ledger import finite
 from reservoir.store.notify import ROWS_CHANNEL
@@ -179,31 +180,6 @@ def _runs_of(conn: Connection, ids: list[int | None]) -> dict[int, int]:
                              .where(state.c.id.in_(wanted))).all())
 
 
-UPDATE_ROWS = text("""
-UPDATE experiences e SET
-    status = coalesce(v.status, e.status),
-    priority = coalesce(v.priority, e.priority),
-    shaped_reward = coalesce(v.shaped_reward, e.shaped_reward),
-    response_text = coalesce(v.response_text, e.response_text),
-    reward_components = coalesce(v.reward_components::jsonb, e.reward_components),
-    metadata = coalesce(v.metadata::jsonb, e.metadata),
-    response_ids = coalesce(v.response_ids, e.response_ids),
-    action_mask = CASE WHEN v.response_ids IS NULL THEN e.action_mask ELSE v.action_mask END,
-    logprobs = CASE WHEN v.response_ids IS NULL THEN e.logprobs END
-FROM unnest(:ids, :status, :priority, :shaped_reward, :response_text, :reward_components,
-            :metadata, :response_ids, :action_mask)
-    AS v (id, status, priority, shaped_reward, response_text, reward_components, metadata,
-          response_ids, action_mask)
-WHERE e.id = v.id
-""").bindparams(
-    bindparam("ids", type_=ARRAY(BigInteger)), bindparam("status", type_=ARRAY(Text)),
-    bindparam("priority", type_=ARRAY(Float)), bindparam("shaped_reward", type_=ARRAY(Float)),
-    bindparam("response_text", type_=ARRAY(Text)),
-    bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)),
-    bindparam("response_ids", type_=ARRAY(LargeBinary)),
-    bindparam("action_mask", type_=ARRAY(LargeBinary)))
-
-
 NOTIFY_CHANGED = text(f"""
 SELECT count(pg_notify(concat('{ROWS_CHANNEL}', run_id), 'changed'))
 FROM (SELECT DISTINCT run_id FROM experience_state WHERE id = ANY(:ids)) AS changed
@@ -224,7 +200,7 @@ def _update_experiences(conn: Connection, changes: Changes) -> None:
         return
     values = [changes.values.get(i, {}) for i in ids]
     as_json = lambda v: None if v is None else json.dumps(v)  # noqa: E731
-    conn.execute(UPDATE_ROWS, {
+    conn.execute(lifecycle.PIPELINE_CHANGES, {
         "ids": ids, "status": [changes.statuses.get(i) for i in ids],
         **{name: [v.get(name) for v in values]
            for name in ("priority", "shaped_reward", "response_text", "response_ids",
@@ -260,23 +236,13 @@ RETURNING id, parent_id, run_id
     bindparam("status", type_=ARRAY(Text)), bindparam("priority", type_=ARRAY(Float)))
 
 
-QUARANTINE_PARTNERS = text("""
-UPDATE experience_state e SET status = 'quarantined'
-FROM unnest(:groups, :reasons) AS g (group_id, reason), experience_data d
-WHERE d.group_id = g.group_id AND e.run_id = d.run_id AND e.id = d.id
-  AND e.status IN ('raw', 'ready') AND e.id <> ALL(:decided)
-RETURNING e.id, d.group_id, g.reason
-""").bindparams(bindparam("groups", type_=ARRAY(UUID)), bindparam("reasons", type_=ARRAY(Text)),
-                bindparam("decided", type_=ARRAY(BigInteger)))
-
-
 def _quarantine_partners(conn: Connection, changes: Changes) -> None:
     """Rows of a broken group the pipeline did not read (another status, outside `where`)
     that could still train: quarantined too, each with an event."""
     if not changes.broken_groups:
         return
     groups = sorted(changes.broken_groups)
-    swept = conn.execute(QUARANTINE_PARTNERS, {
+    swept = conn.execute(lifecycle.QUARANTINE_PARTNERS, {
         "groups": groups, "reasons": [changes.broken_groups[g] for g in groups],
         "decided": sorted(changes.statuses)}).all()
     for row_id, group_id, reason in swept:
