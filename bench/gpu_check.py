@@ -276,7 +276,7 @@ def fsdp2_one_rank(work: Path, device: str, steps: int) -> None:
                                            "checkpoint_dir": str(work / f"fsdp-{sharding}")}})
         learner = Learner(config)
         with TrainerPool(config, learner) as pool:
-            pool.begin(learner.plan[0], lambda: pool.save(work / f"fsdp-{sharding}", 0, 0))
+            pool.begin_stage(learner.plan[0], lambda: pool.save(work / f"fsdp-{sharding}", 0, 0))
             batch = synthetic_batch(len(learner.tokenizer), 64, 96, learner.device)
             sync = torch.cuda.synchronize if learner.device.type == "cuda" else (lambda: None)
             if learner.device.type == "cuda":

@@ -268,7 +268,7 @@ def sharded_bench(config, rows: list, args) -> tuple[dict[str, list[float]], dic
             pad = learner.tokenizer.pad_token_id
             with TrainerPool(cfg, learner) as pool:
                 folder = Path(tempfile.mkdtemp())
-                pool.begin(learner.plan[0], lambda: pool.save(folder, 0, 0))
+                pool.begin_stage(learner.plan[0], lambda: pool.save(folder, 0, 0))
                 torch.set_num_threads(rank_threads(cfg))
                 steps = [partial(lambda batch: measured(pool.train(1, batch,
                                                                    make_batch(batch, pad))),

@@ -18,7 +18,6 @@ from reservoir.explorer.engine import TransformersEngine
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.pipeline.stream import PipelineWorker
 from reservoir.store import Store
-from reservoir.store.tasks import release_run_claims
 
 
 class Colocated:
@@ -30,8 +29,7 @@ class Colocated:
         self.batcher = Batcher(self.engine, inline=True)
         self.streams = [PipelineWorker(config, path, [config.run.name])
                         for path in config.pipelines]
-        with store.engine.begin() as conn:  # a dead attempt's claims (it was the only explorer)
-            release_run_claims(conn, run_id)
+        store.tasks.release_run_claims(run_id)  # a dead attempt's claims (the only explorer)
 
     def refill(self) -> bool:
         """Explore one round with the policy as it is now and let the stream pipelines pass

@@ -10,12 +10,8 @@ import random
 from pathlib import Path
 
 from reservoir.config import ReservoirConfig
-from reservoir.errors import ConfigError
 from reservoir.explorer.tasks import GENERATORS, read_task_file
 from reservoir.store import Store
-from reservoir.store.ledger import has_step
-from reservoir.store.runs import insert_run, run_id_of, set_parent, set_status, set_vocab_size
-from reservoir.store.tasks import add_tasks, copy_tasks
 from reservoir.plan.stages import total_steps
 
 
@@ -68,35 +64,10 @@ def ensure_run(store: Store, config: ReservoirConfig, *, resume: bool = False) -
     if resume:
         store.runs.check_resumable(config.run.name, total_steps(config))
         run_id = ensure_run(store, config)
-        with store.engine.begin() as conn:
-            set_status(conn, run_id, "running")
+        store.runs.set_status(run_id, "running")
         return run_id
-    vocabulary = vocab_size(config)
-    with store.engine.begin() as conn:
-        served = config.serve is not None  # a served run's groups are episodes of any size
-        run_id = insert_run(conn, config.run.name,
-                            group_size=None if served else config.explorer.n,
+    served = config.serve is not None  # a served run's groups are episodes of any size
+    return store.ensure_run(config.run.name, group_size=None if served else config.explorer.n,
                             model=str(config.model.path), config=config.model_dump(mode="json"),
-                            vocab_size=vocabulary)
-        if run_id is None:  # it exists (another process may have created it a moment ago)
-            run_id = run_id_of(conn, config.run.name)
-            if vocabulary is not None:  # made without a model (tasks load), or another model
-                set_vocab_size(conn, run_id, vocabulary)
-            return run_id
-        if config.branch is not None:
-            _branch(conn, config, run_id)
-        else:
-            add_tasks(conn, run_id, task_rows(config))
-        return run_id
-
-
-def _branch(conn, config: ReservoirConfig, run_id: int) -> None:
-    """A branched run's lineage and its parent's tasks (how often each was explored too)."""
-    name, step = config.branch
-    parent = run_id_of(conn, name)
-    if parent is None:
-        raise ConfigError(f"--from {name}@{step}: there is no run {name!r}")
-    if not has_step(conn, parent, step):
-        raise ConfigError(f"--from {name}@{step}: run {name!r} has not committed step {step}")
-    set_parent(conn, run_id, parent, step)
-    copy_tasks(conn, parent, run_id)
+                            vocab_size=vocab_size(config), branch=config.branch,
+                            task_rows=lambda: task_rows(config))

@@ -12,14 +12,15 @@ Every blocking method of `Store` is derived from the coroutine of the same name.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from rich.console import Console
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from reservoir.config import (DEFAULT_REWARD_RANGE, ReservoirConfig, SamplerConfig,
                               check_reward_range)
+from reservoir.errors import ConfigError
 from reservoir.store import engine as engines
 from reservoir.store import (episodes, ledger, pipelines, preferences, reviews, runs, sampler,
                              schedules, tasks, writer)
@@ -139,6 +140,18 @@ class AsyncStore:
         await self.leases.dispose()
 
 
+def _branch(conn: Connection, run_id: int, parent_name: str, step: int) -> None:
+    """A branched run's lineage and its parent's tasks (how often each was explored too)."""
+    parent = runs.run_id_of(conn, parent_name)
+    if parent is None:
+        raise ConfigError(f"--from {parent_name}@{step}: there is no run {parent_name!r}")
+    if not ledger.has_step(conn, parent, step):
+        raise ConfigError(f"--from {parent_name}@{step}: run {parent_name!r} has not "
+                          f"committed step {step}")
+    runs.set_parent(conn, run_id, parent, step)
+    tasks.copy_tasks(conn, parent, run_id)
+
+
 def _blocking(coroutine_function):
     @functools.wraps(coroutine_function)
     def method(self: "Store", *args, **kwargs):
@@ -195,6 +208,28 @@ class Store:
         with self.engine.begin() as conn:
             return runs.create_run(conn, name, group_size=group_size, model=model,
                                    config=config, vocab_size=vocab_size, exist_ok=exist_ok)
+
+    def ensure_run(self, name: str, *, group_size: int | None, model: str,
+                   config: dict[str, Any], vocab_size: int | None,
+                   branch: tuple[str, int] | None,
+                   task_rows: Callable[[], Sequence[dict[str, Any]]]) -> int:
+        """The run's id. The first caller creates the run and, in the same transaction, its
+        tasks (`task_rows()`, called only then) or, for a branch (parent, step), its lineage
+        and a copy of the parent's tasks: all of it commits or none does, and a concurrent
+        caller's insert waits for that commit, then finds the run. For a run that exists only
+        its vocab_size is brought up to date (when given)."""
+        with self.engine.begin() as conn:
+            run_id = runs.insert_run(conn, name, group_size=group_size, model=model,
+                                     config=config, vocab_size=vocab_size)
+            if run_id is None:  # it exists (another process may have created it a moment ago)
+                run_id = runs.run_id_of(conn, name)
+                if vocab_size is not None:  # made without a model (tasks load), or another one
+                    runs.set_vocab_size(conn, run_id, vocab_size)
+            elif branch is not None:
+                _branch(conn, run_id, *branch)
+            else:
+                tasks.add_tasks(conn, run_id, task_rows())
+            return run_id
 
     def step_committed(self, run: str, step: int) -> bool:
         """Whether the run's step is in the ledger (a commit whose answer was lost)."""

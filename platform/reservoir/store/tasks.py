@@ -127,10 +127,25 @@ def mark_explored(conn: Connection, task_ids: list[int], times: int = 1_000_000)
                  .values(times_explored=func.greatest(tasks.c.times_explored, times)))
 
 
+def sft_tasks(conn: Connection, run_id: int, fraction: float) -> list[Claimed]:
+    """The first `fraction` of the run's train tasks (at least one, if any), in id order:
+    what a stage on tasks trains on."""
+    train = split_tasks(conn, run_id, "train")
+    return train[:max(1, int(len(train) * fraction))]
+
+
+def mark_sft_tasks(conn: Connection, run_id: int, fraction: float) -> list[Claimed]:
+    """`sft_tasks`, marked explored in the same transaction (claiming reaches them last)."""
+    seen = sft_tasks(conn, run_id, fraction)
+    mark_explored(conn, [task_id for task_id, *_ in seen])
+    return seen
+
+
 class Tasks(Door):
     """`store.tasks`: a run's tasks and the explorers' claims on them."""
 
     split_tasks = reading(split_tasks)
+    sft_tasks = reading(sft_tasks)
     add_tasks = writing(add_tasks)
     copy_tasks = writing(copy_tasks)
     claim_tasks = writing(claim_tasks)
@@ -138,3 +153,4 @@ class Tasks(Door):
     release_claims = writing(release_claims)
     release_run_claims = writing(release_run_claims)
     mark_explored = writing(mark_explored)
+    mark_sft_tasks = writing(mark_sft_tasks)

@@ -22,11 +22,7 @@ from typing import Callable
 
 from reservoir.config import ReservoirConfig
 from reservoir.errors import FlowControlTimeout
-from reservoir.store import Store
-from reservoir.store.ledger import record_step, step_experiences, step_pairs, step_time
-from reservoir.store.runs import parent_of
-from reservoir.store.retry import Patience
-from reservoir.store.tasks import mark_explored, split_tasks
+from reservoir.store import Patience, Store
 from reservoir.trainer.batch import TrainBatch, make_batch
 from reservoir.trainer.sft import conversation, demonstrations, task_batch
 from reservoir.plan.stages import Stage
@@ -58,13 +54,6 @@ class Draw:
     metrics: dict = field(default_factory=dict)
 
 
-def sft_tasks(conn, config: ReservoirConfig, run_id: int) -> list[tuple]:
-    """(id, prompt, answer, payload) of the first trainer.warmup_fraction of the run's train
-    tasks."""
-    train = split_tasks(conn, run_id, "train")
-    return train[:max(1, int(len(train) * config.trainer.warmup_fraction))]
-
-
 class Feed:
     def __init__(self, context: Context, stage: Stage) -> None:
         self.context, self.stage = context, stage
@@ -79,10 +68,9 @@ class Feed:
         context = self.context
 
         def commit(step: int, metrics: dict) -> None:
-            with context.store.engine.begin() as conn:
-                record_step(conn, context.run_id, step, policy_version=context.version(),
-                            metrics=metrics, loss=metrics.get("loss"), stage=self.stage.name,
-                            experience_ids=ids)
+            context.store.ledger.record_step(
+                context.run_id, step, policy_version=context.version(), metrics=metrics,
+                loss=metrics.get("loss"), stage=self.stage.name, experience_ids=ids)
         return commit
 
     def _wait_for(self, attempt: Callable, waited_out: Callable[[str], str],
@@ -104,8 +92,7 @@ class Feed:
         return None
 
     def replay(self, step: int) -> tuple[list, TrainBatch]:
-        with self.context.store.engine.connect() as conn:
-            ids = step_experiences(conn, self.context.run_id, step)
+        ids = self.context.store.ledger.step_experiences(self.context.run_id, step)
         rows = self.context.store.fetch(ids)
         return rows, self._batch(rows)
 
@@ -197,10 +184,10 @@ class ExplorerFeed(Feed):
 
 class TaskFeed(Feed):
     def begin(self) -> None:
-        """The tasks it trains on; explorers claim them last."""
-        with self.context.store.engine.begin() as conn:
-            seen = sft_tasks(conn, self.context.config, self.context.run_id)
-            mark_explored(conn, [task_id for task_id, *_ in seen])
+        """The first trainer.warmup_fraction of the run's train tasks; explorers claim them
+        last."""
+        seen = self.context.store.tasks.mark_sft_tasks(
+            self.context.run_id, self.context.config.trainer.warmup_fraction)
         self.rows = demonstrations(self.context.tokenizer,
                                    [conversation(*row[1:]) for row in seen])
 
@@ -223,12 +210,9 @@ class StoredFeed(Feed):
         run_ids, until = [context.run_id], {}
         if data.runs:
             run_ids = context.store.aio.run_ids(list(data.runs))
-        else:
-            with context.store.engine.connect() as conn:
-                parent = parent_of(conn, context.run_id)
-                if parent is not None:
-                    run_ids.append(parent[0])
-                    until[parent[0]] = step_time(conn, *parent)
+        elif (parent := context.store.runs.parent_of(context.run_id)) is not None:
+            run_ids.append(parent[0])
+            until[parent[0]] = context.store.ledger.step_time(*parent)
         self.groups = read_stored(context.store.url, run_ids, data, stage=self.stage.name,
                                   seed=context.config.run.seed, until=until)
 
@@ -278,9 +262,7 @@ class PairFeed(Feed):
         return [by_id[chosen] for chosen, _ in pairs] + [by_id[rejected] for _, rejected in pairs]
 
     def replay(self, step: int) -> tuple[list, TrainBatch]:
-        with self.context.store.engine.connect() as conn:
-            pairs = step_pairs(conn, self.context.run_id, step)
-        rows = self._pair_rows(pairs)
+        rows = self._pair_rows(self.context.store.ledger.step_pairs(self.context.run_id, step))
         return rows, self._batch(rows)
 
 

@@ -50,15 +50,12 @@ import torch.distributed as dist
 from reservoir.config import ReservoirConfig
 from reservoir.devices import resolve_device
 from reservoir.errors import RankLost, ReservoirError, StepNotFinite
-from reservoir.store import Store
-from reservoir.store.retry import Patience
-from reservoir.store.runs import run_id_of
+from reservoir.store import Patience, Store
 from reservoir.trainer.batch import TrainBatch, make_batch
 from reservoir.trainer.checkpoint import Resumed
 from reservoir.trainer.learner import Learner
 from reservoir.trainer.seed import seed_everything
 from reservoir.trainer.sft import conversation, demonstrations, task_batch
-from reservoir.trainer.feeds import sft_tasks
 from reservoir.plan.stages import Stage, stage_at
 from reservoir.trainer.step import ONE, Ranks
 
@@ -132,7 +129,7 @@ class TrainerPool:
             self.load(checkpoint)
         return resumed
 
-    def begin(self, stage: Stage, save) -> Path:
+    def begin_stage(self, stage: Stage, save) -> Path:
         """Every rank enters `stage` from the same state, saved as the checkpoint `save()`
         writes (a sharded policy's ranks enter it together; otherwise rank 0 does, and the
         followers load its checkpoint)."""
@@ -391,10 +388,9 @@ class _Follower:
 
 
     def _demonstrations(self) -> list:
-        with self.store.engine.connect() as conn:
-            run_id = run_id_of(conn, self.config.run.name)
-            return demonstrations(self.learner.tokenizer, [
-                conversation(*row[1:]) for row in sft_tasks(conn, self.config, run_id)])
+        run_id = self.store.runs.run_id_of(self.config.run.name)
+        tasks = self.store.tasks.sft_tasks(run_id, self.config.trainer.warmup_fraction)
+        return demonstrations(self.learner.tokenizer, [conversation(*row[1:]) for row in tasks])
 
 
 def _receive(commands) -> tuple[int, int, torch.Tensor | None]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from reservoir.config import StoredData
 from reservoir.errors import ConfigError
-from reservoir.store.source import TRAINABLE_STATUSES, Source, select_rows
+from reservoir.store import TRAINABLE_STATUSES, Source, select_rows
 from reservoir.errors import UserSQLError
 
 

@@ -33,11 +33,7 @@ from rich.console import Console
 from reservoir.config import ReservoirConfig
 from reservoir.errors import Abandoned, ConfigError, ReservoirError, StepNotFinite
 from reservoir.plan.weights import branch_checkpoint, check_model
-from reservoir.store import Store
-from reservoir.store.ledger import add_step_metrics, last_step, record_step
-from reservoir.store.retry import Patience
-from reservoir.store.runs import run_id_of, set_progress, set_status, version_by
-from reservoir.store.tasks import split_tasks
+from reservoir.store import Patience, Store
 from reservoir.trainer.checkpoint import latest_checkpoint
 from reservoir.trainer.feeds import Context, Feed, feed_for
 from reservoir.trainer.learner import Learner
@@ -90,9 +86,8 @@ class TrainerWorker:
         self.plan, self.version = self.learner.plan, None  # the last version published
         with Store.open(self.config, quiet=True) as store:
             self.store = store
-            with store.engine.connect() as conn:
-                self.run_id = run_id_of(conn, self.config.run.name)
-                self.held_out = split_tasks(conn, self.run_id, "test")
+            self.run_id = store.runs.run_id_of(self.config.run.name)
+            self.held_out = store.tasks.split_tasks(self.run_id, "test")
             self._check_can_start()
             try:
                 self._set_status("running")
@@ -117,8 +112,7 @@ class TrainerWorker:
         return self.colocate(self.config, self.learner, self.store, self.run_id)
 
     def _check_can_start(self) -> None:
-        with self.store.engine.connect() as conn:
-            trained = last_step(conn, self.run_id) is not None
+        trained = self.store.ledger.last_step(self.run_id) is not None
         if trained and not self.resume:
             raise ConfigError(f"run.name: run {self.config.run.name!r} has already trained; "
                               "continue it with --resume or choose another name")
@@ -134,11 +128,8 @@ class TrainerWorker:
         return self.plan[-1].last_step
 
     def _set_status(self, status: str) -> None:
-        def write() -> None:
-            with self.store.engine.begin() as conn:
-                set_status(conn, self.run_id, status)
-
-        self.patience(write, f"run status {status}")
+        self.patience(lambda: self.store.runs.set_status(self.run_id, status),
+                      f"run status {status}")
 
     def _finish(self) -> None:
         self._progress(None)
@@ -160,11 +151,10 @@ class TrainerWorker:
             self.pool.start_from(branch_checkpoint(self.config))
         self.summary.accuracy.append(("start", self._evaluate()))
         accuracy = self.summary.accuracy[-1][1]
-        with self.store.engine.begin() as conn:
-            record_step(conn, self.run_id, 0, policy_version=0,
-                        metrics={"eval/accuracy_start": accuracy, "eval/accuracy": accuracy})
-        with self.store.engine.connect() as conn:
-            return 1, last_step(conn, self.run_id) or 0
+        self.store.ledger.record_step(
+            self.run_id, 0, policy_version=0,
+            metrics={"eval/accuracy_start": accuracy, "eval/accuracy": accuracy})
+        return 1, self.store.ledger.last_step(self.run_id) or 0
 
     def _resume(self) -> tuple[int, int]:
         """Reload the last checkpoint (none: start again), free lost leases; (first step to
@@ -176,9 +166,8 @@ class TrainerWorker:
         else:
             resumed = self.pool.resume(checkpoint)
             self.summary.steps, self.summary.version = resumed.step, resumed.version
-            with self.store.engine.connect() as conn:
-                published = version_by(conn, self.run_id, resumed.step)
-                committed = last_step(conn, self.run_id) or 0
+            published = self.store.runs.version_by(self.run_id, resumed.step)
+            committed = self.store.ledger.last_step(self.run_id) or 0
             self.version = None if published is None else published[0]
             first, origin = resumed.step + 1, f"{checkpoint.name} (step {resumed.step})"
         released = self.store.release_runs(self.config.run.name)
@@ -212,7 +201,7 @@ class TrainerWorker:
     def _begin(self, stage: Stage) -> None:
         """Enter a stage: fresh optimizer, critic, reference (the weights now, saved as the
         checkpoint of the step before its first); explorer stages publish these weights."""
-        self.pool.begin(stage, self._checkpoint)  # every rank begins it from the same state
+        self.pool.begin_stage(stage, self._checkpoint)  # every rank begins it from the same state
         if stage.explores:
             self._publish(stage.first_step - 1, first=True)
         self.console.print(f"stage {stage.name!r}: {stage.steps} steps of "
@@ -312,8 +301,7 @@ class TrainerWorker:
         was published after that very step (the previous stage's last, or, on resume, the
         one this stage published before)."""
         if first:
-            with self.store.engine.connect() as conn:
-                published = version_by(conn, self.run_id, step)
+            published = self.store.runs.version_by(self.run_id, step)
             if published is not None and published[1] == step:
                 self.summary.version = self.version = published[0]
                 return
@@ -349,8 +337,7 @@ class TrainerWorker:
         if progress is not None and not final and now - self._progress_at < PROGRESS_EVERY_S:
             return
         self._progress_at = now
-        with self.store.engine.begin() as conn:
-            set_progress(conn, self.run_id, progress or {})
+        self.store.runs.set_progress(self.run_id, progress or {})
 
     def _evaluate(self) -> float:
         if self.evaluate is None or not self.held_out:
@@ -360,12 +347,9 @@ class TrainerWorker:
     def _record_accuracy(self, step: int) -> None:
         self.summary.accuracy.append((step, self._evaluate()))
 
-        def record() -> None:
-            with self.store.engine.begin() as conn:
-                add_step_metrics(conn, self.run_id, step,
-                                 {"eval/accuracy": self.summary.accuracy[-1][1]})
-
-        self.patience(record, f"held-out accuracy of step {step}")
+        self.patience(lambda: self.store.ledger.add_step_metrics(
+            self.run_id, step, {"eval/accuracy": self.summary.accuracy[-1][1]}),
+            f"held-out accuracy of step {step}")
 
 
 def _describe(stage: Stage) -> str:
