@@ -20,7 +20,8 @@ from tests.test_recovery import (finish, offline_groups, query, start, trainer_c
 pytestmark = [pytest.mark.store_agnostic, pytest.mark.slow]  # the same on any server: CI runs it once
 
 STAGES = [
-    {"name": "warm", "algorithm": "sft", "steps": 4, "batch": 4, "lr": 3e-3, "data": "tasks"},
+    {"name": "warm", "algorithm": "sft", "steps": 4, "batch": 4, "lr": 3e-3,
+     "data": {"tasks": {"fraction": 0.25}}},
     {"name": "rl", "algorithm": "rloo", "steps": 4},
     {"name": "prefer", "algorithm": {"preset": "dpo", "beta": 0.2}, "steps": 3, "batch": 2,
      "data": {"preferences": {}}},
@@ -59,6 +60,9 @@ def test_a_run_of_three_stages_records_each_step_s_stage_and_data(tmp_path, db_u
     steps = query(db_url, "SELECT step, stage, n_experiences FROM train_steps ORDER BY step")
     assert steps == [(0, None, 0)] + [(s, "warm", 0) for s in range(1, 5)] + \
         [(s, "rl", 8) for s in range(5, 9)] + [(s, "prefer", 4) for s in range(9, 12)]
+    train, warmed = query(db_url, "SELECT count(*), count(*) FILTER (WHERE times_explored >= "
+                                  "1000000) FROM tasks WHERE split = 'train'")[0]
+    assert warmed == max(1, int(train * 0.25))  # the stage's own share (issue 31)
     assert query(db_url, "SELECT count(*), count(DISTINCT preference_id) FROM batch_pairs") == \
         [(6, 6)]
     assert query(db_url, "SELECT DISTINCT status FROM preferences WHERE id IN "

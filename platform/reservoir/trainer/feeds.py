@@ -184,10 +184,10 @@ class ExplorerFeed(Feed):
 
 class TaskFeed(Feed):
     def begin(self) -> None:
-        """The first trainer.warmup_fraction of the run's train tasks; explorers claim them
+        """The stage's share of the run's train tasks (the first ones); explorers claim them
         last."""
-        seen = self.context.store.tasks.mark_sft_tasks(
-            self.context.run_id, self.context.config.trainer.warmup_fraction)
+        seen = self.context.store.tasks.mark_sft_tasks(self.context.run_id,
+                                                       self.stage.data.tasks.fraction)
         self.rows = demonstrations(self.context.tokenizer,
                                    [conversation(*row[1:]) for row in seen])
 

@@ -323,7 +323,7 @@ class _Follower:
             f"trainer rank {rank}: {line}", file=sys.stderr, flush=True))
         self.learner = Learner(config, rank)
         self.device, self.ranks = self.learner.device, Ranks(rank, self.world, _reduce)
-        self.tasks = None  # (prompt, answer) pairs of sft stages on tasks, read once
+        self.tasks: dict[str, list] = {}  # each tasks stage's demonstrations, read once
 
     def join(self, port: int) -> None:
         rendezvous = dist.TCPStore("127.0.0.1", port, self.world, is_master=False,
@@ -379,17 +379,19 @@ class _Follower:
             batch = make_batch([by_id[i] for i in ids], learner.tokenizer.pad_token_id,
                                self.device)
         else:
-            if self.tasks is None:
-                self.tasks = self.patience(self._demonstrations, "the run's tasks")
-            batch = task_batch(learner.tokenizer.pad_token_id, self.tasks,
-                               stage_at(learner.plan, step).batch,
+            stage = stage_at(learner.plan, step)
+            if stage.name not in self.tasks:
+                self.tasks[stage.name] = self.patience(
+                    lambda: self._demonstrations(stage.data.tasks.fraction), "the run's tasks")
+            batch = task_batch(learner.tokenizer.pad_token_id, self.tasks[stage.name],
+                               stage.batch,
                                seed=self.config.run.seed, step=step).to(self.device)
         learner.train(step, batch, self.ranks)
 
 
-    def _demonstrations(self) -> list:
+    def _demonstrations(self, fraction: float) -> list:
         run_id = self.store.runs.run_id_of(self.config.run.name)
-        tasks = self.store.tasks.sft_tasks(run_id, self.config.trainer.warmup_fraction)
+        tasks = self.store.tasks.sft_tasks(run_id, fraction)
         return demonstrations(self.learner.tokenizer, [conversation(*row[1:]) for row in tasks])
 
 

@@ -247,7 +247,7 @@ class TrainerWorker:
         trainer, in_stage = self.config.trainer, step - stage.first_step + 1
         self.summary.steps = step
         self._publish_if_due(stage, step)
-        if not stage.data.tasks and in_stage % trainer.eval_interval == 0:
+        if stage.data.tasks is None and in_stage % trainer.eval_interval == 0:
             self._record_accuracy(step)
         if step % trainer.checkpoint_interval == 0:
             self._checkpoint()
