@@ -74,7 +74,7 @@ class Server:
         self.config, self.token = config, token_for(config)
         self.model = config.serve.model_name or config.run.name
         self.store = Store.open(config, quiet=True)
-        self.run_id = self.store.runs.run_id_of(config.run.name)
+        self.run_id = self.store.run_id(config.run.name)
         self.batcher = Batcher(make_engine(config, seed=config.run.seed))
         self.reload()  # the tag stays None (nothing served) until the trainer publishes
         self._stop = threading.Event()

@@ -85,7 +85,7 @@ class ExplorerWorker:
         patience = Patience(self.config.store.outage_patience_s, say=print)
         with Store.open(self.config, quiet=True) as store, Batcher(engine, inline=True) as batcher, \
                 Listener(store.engine, POLICY_CHANNEL) as listener:
-            run_id = store.runs.run_id_of(self.config.run.name)
+            run_id = store.run_id(self.config.run.name)
             resumption = Resumption(self.config.run.name, self.config.run.resume_wait_s,
                                     say=lambda line: print(f"{self.name}: {line}", flush=True))
             try:

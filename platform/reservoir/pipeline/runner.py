@@ -56,7 +56,7 @@ def run_pipeline(store: Store, spec: PipelineSpec, *, runs: list[str] | None = N
                  progress: Callable[[str], None] | None = None) -> PipelineResult:
     """Run once; raises PipelineFailed (or ConfigError before anything is written)."""
     steps = check_spec(spec)
-    run_ids = [store.runs.run_id_of(name) for name in spec.runs_to_read(runs)]
+    run_ids = [store.run_id(name) for name in spec.runs_to_read(runs)]
     with store.pipelines.running(
             pipeline=spec.name, spec=spec.model_dump(mode="json", by_alias=True),
             spec_hash=spec.digest(), source_file=source_file, run_ids=run_ids,

@@ -249,7 +249,6 @@ def snapshot(conn: Connection, name: str) -> dict[str, Any] | None:
 class Runs(Door):
     """`store.runs`: runs, their lineage and published policy versions."""
 
-    run_id_of = reading(run_id_of)
     ids_of = reading(ids_of)
     config_of = reading(config_of)
     parent_of = reading(parent_of)

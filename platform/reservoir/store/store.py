@@ -231,6 +231,11 @@ class Store:
                 tasks.add_tasks(conn, run_id, task_rows())
             return run_id
 
+    def run_id(self, run: str) -> int:
+        """The run's id: the one place a run's name becomes its id (looked up once per store,
+        then remembered); StoreError when there is no such run."""
+        return self.aio.run_ids(run)[0]
+
     def step_committed(self, run: str, step: int) -> bool:
         """Whether the run's step is in the ledger (a commit whose answer was lost)."""
         with self.engine.connect() as conn:

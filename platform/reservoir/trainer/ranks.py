@@ -390,7 +390,7 @@ class _Follower:
 
 
     def _demonstrations(self, fraction: float) -> list:
-        run_id = self.store.runs.run_id_of(self.config.run.name)
+        run_id = self.store.run_id(self.config.run.name)
         tasks = self.store.tasks.sft_tasks(run_id, fraction)
         return demonstrations(self.learner.tokenizer, [conversation(*row[1:]) for row in tasks])
 

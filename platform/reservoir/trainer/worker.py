@@ -86,7 +86,7 @@ class TrainerWorker:
         self.plan, self.version = self.learner.plan, None  # the last version published
         with Store.open(self.config, quiet=True) as store:
             self.store = store
-            self.run_id = store.runs.run_id_of(self.config.run.name)
+            self.run_id = store.run_id(self.config.run.name)
             self.held_out = store.tasks.split_tasks(self.run_id, "test")
             self._check_can_start()
             try:
