@@ -3,9 +3,10 @@ experiences (sampler.py, ledger.py), for DPO.
 
 A pair is two experiences of one run and one task; it is stored once (chosen_id, rejected_id).
 Its status goes ready -> leased -> consumed (a commit) or back to ready (a release, or a lease
-that expired and was reclaimed by the next lease call). A step's commit writes its train_steps
-row, one batch_pairs row per pair and one batch_items row per experience (weight +1 chosen,
--1 rejected; an experience on both sides of a step's pairs gets their sum) in one statement.
+that expired and was reclaimed by the next lease call). A step's commit is the ledger's
+(`ledger.commit_pairs`): its train_steps row, one batch_pairs row per pair and one batch_items
+row per experience (weight +1 chosen, -1 rejected; an experience on both sides of a step's pairs
+gets their sum) in one statement.
 """
 
 from __future__ import annotations
@@ -15,17 +16,14 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from sqlalchemy import BigInteger, Connection, bindparam, select, text
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
-from reservoir.store.engine import REUSE_PLANS
-from reservoir.store.ledger import finite
+from reservoir.errors import FlowControlTimeout, StoreError
 from reservoir.store.schema import experiences, preferences
 
 
@@ -199,66 +197,3 @@ async def release_pairs(engine: AsyncEngine, lease: PairLease) -> int:
     """Hand a lease's pairs back to ready; returns how many it still held."""
     async with engine.begin() as conn:
         return (await conn.execute(RELEASE_PAIRS, {"token": lease.token})).rowcount
-
-
-# One statement: the lease's pairs become consumed, the step row is inserted, one batch_pairs
-# row per pair and one batch_items row per experience (chosen +1, rejected -1) join them; the
-# keys those rows check reuse their plans (engine.REUSE_PLANS).
-COMMIT_PAIRS = text(f"""
-WITH consumed AS (
-    UPDATE preferences
-    SET status = 'consumed', times_sampled = times_sampled + 1,
-        lease_token = NULL, leased_until = NULL
-    WHERE lease_token = :token
-    RETURNING id, run_id, chosen_id, rejected_id
-), step AS (
-    INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
-    VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences, :stage)
-    RETURNING id
-), ledger_pairs AS (
-    INSERT INTO batch_pairs (train_step_id, preference_id)
-    SELECT step.id, consumed.id FROM consumed CROSS JOIN step
-    RETURNING preference_id
-), ledger_items AS (
-    INSERT INTO batch_items (train_step_id, run_id, experience_id, policy_version, weight)
-    SELECT step.id, consumed.run_id, side.experience_id, :policy_version, sum(side.weight)
-    FROM consumed
-    CROSS JOIN LATERAL (VALUES (consumed.chosen_id, 1.0::float8),
-                               (consumed.rejected_id, -1.0::float8)) AS side (experience_id, weight)
-    CROSS JOIN step
-    GROUP BY step.id, consumed.run_id, side.experience_id
-    RETURNING experience_id
-)
-SELECT (SELECT id FROM step) AS step_id, (SELECT count(*) FROM ledger_pairs) AS pairs,
-       {REUSE_PLANS} AS plans
-""").bindparams(bindparam("token", type_=UUID(as_uuid=True)), bindparam("metrics", type_=JSONB))
-
-
-async def commit_pairs(engine: AsyncEngine, lease: PairLease, *, run_id: int, step: int,
-                       policy_version: int, loss: float | None = None,
-                       metrics: dict[str, Any] | None = None, stage: str | None = None) -> int:
-    """Record `step` (of `stage`) as trained on the lease's pairs; returns the train_steps id.
-
-    In one transaction: the pairs become `consumed` (times_sampled + 1), a train_steps row is
-    inserted (n_experiences = 2 per pair), one batch_pairs row per pair and one batch_items row
-    per experience. If any pair's lease was lost (expired and reclaimed) or the step already
-    exists, nothing is written and LeaseLost / StoreError is raised.
-    """
-    n = len(lease.pairs)
-    params = dict(token=lease.token, run_id=run_id, step=step, policy_version=policy_version,
-                  loss=loss, metrics=finite(metrics or {}), n_experiences=2 * n, stage=stage)
-    async with engine.begin() as conn:
-        try:
-            step_id, written, _ = (await conn.execute(COMMIT_PAIRS, params)).one()
-        except IntegrityError as exc:
-            if "train_steps_run_step" in str(exc.orig):
-                raise StoreError(f"step {step} of run id {run_id} is already committed; "
-                                 "no pair was consumed") from exc
-            raise StoreError(f"step {step} could not be committed; no pair was consumed: "
-                             f"{exc.orig}") from exc
-        if written != n:
-            await conn.rollback()
-            raise LeaseLost(
-                f"step {step}: lease {lease.token} holds {written} of its {n} pairs (it expired "
-                "and was reclaimed); nothing was consumed, lease new pairs")
-    return step_id

@@ -125,7 +125,7 @@ class AsyncStore:
         if run is None and len(lease.run_ids) != 1:
             raise ValueError("the lease spans several runs: name the run this step belongs to")
         run_id = self.run_ids(run)[0] if run is not None else lease.run_ids[0]
-        return await preferences.commit_pairs(self.engine, lease, run_id=run_id, step=step,
+        return await ledger.commit_pairs(self.engine, lease, run_id=run_id, step=step,
                                               policy_version=policy_version, loss=loss,
                                               metrics=metrics, stage=stage)
 
