@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
+import re
 import sys
 import types
 import typing
@@ -329,11 +331,63 @@ def lifecycle_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- the schema -------------------------------------------------------------------------------
+
+ROOT = REFERENCE.parent.parent
+SCHEMA_SQL = ROOT / "platform" / "reservoir" / "store" / "sql" / "schema.sql"
+VIEW_COLUMNS = ROOT / "tests" / "view_columns.json"  # the views' columns as an interface
+SCHEMA_INTRO = """\
+# Schema (generated)
+
+Every table's columns and every analytics view's columns, read from
+`platform/reservoir/store/sql/schema.sql` (the database after the last migration;
+`tests/test_schema.py` checks it against the migrations) and the views' column list
+(`tests/view_columns.json`, which a test keeps from losing a column). What each table is for:
+[Tables](tables.md); what each view answers: [Views](views.md).
+"""
+CREATE_TABLE = re.compile(r"^CREATE TABLE (\w+) \((.*?)^\);", re.M | re.S)
+VIEW_COMMENT = re.compile(r"^COMMENT ON VIEW analytics\.(\w+) IS\s+((?:'(?:[^']|'')*'\s*)+);",
+                          re.M)
+NOT_A_COLUMN = ("CONSTRAINT", "PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "EXCLUDE")
+
+
+def table_columns(body: str) -> list[tuple[str, str, str]]:
+    """(column, type and constraints, note) for each column line of a CREATE TABLE body."""
+    found = []
+    for line in body.splitlines():
+        code, _, note = line.partition("--")
+        words = code.strip().rstrip(",").split(None, 1)
+        if len(words) == 2 and words[0].upper() not in NOT_A_COLUMN and \
+                re.fullmatch(r"[a-z_][a-z0-9_]*", words[0]):
+            found.append((words[0], words[1], note.strip()))
+    return found
+
+
+def schema_markdown() -> str:
+    sql = SCHEMA_SQL.read_text()
+    lines = [GENERATED, "", SCHEMA_INTRO, "## Tables (schema `public`)", ""]
+    for name, body in CREATE_TABLE.findall(sql):
+        lines += [f"### {name}", "", "| column | type and constraints | note |",
+                  "| --- | --- | --- |"]
+        lines += [f"| `{column}` | {cell(kind)} | {cell(note)} |"
+                  for column, kind, note in table_columns(body)]
+        lines.append("")
+    comments = {name: "".join(re.findall(r"'((?:[^']|'')*)'", text)).replace("''", "'")
+                for name, text in VIEW_COMMENT.findall(sql)}
+    lines += ["## Views (schema `analytics`)", ""]
+    for view, columns in sorted(json.loads(VIEW_COLUMNS.read_text()).items()):
+        lines += [f"### analytics.{view}", "", cell(comments.get(view, "")), "",
+                  "| column | type |", "| --- | --- |"]
+        lines += [f"| `{column}` | {cell(kind)} |" for column, kind in columns.items()]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 # --- files ----------------------------------------------------------------------------------
 
 def pages() -> dict[str, str]:
     return {"cli.md": cli_markdown(), "config.md": config_markdown(),
-            "lifecycle.md": lifecycle_markdown()}
+            "lifecycle.md": lifecycle_markdown(), "schema.md": schema_markdown()}
 
 
 def main(argv: list[str] | None = None) -> int:
