@@ -345,7 +345,7 @@ Every table's columns and every analytics view's columns, read from
 (`tests/view_columns.json`, which a test keeps from losing a column). What each table is for:
 [Tables](tables.md); what each view answers: [Views](views.md).
 """
-CREATE_TABLE = re.compile(r"^CREATE TABLE (\w+) \((.*?)^\);", re.M | re.S)
+CREATE_TABLE = re.compile(r"^CREATE TABLE (\w+) \((.*?)^\)[^;\n]*;", re.M | re.S)
 VIEW_COMMENT = re.compile(r"^COMMENT ON VIEW analytics\.(\w+) IS\s+((?:'(?:[^']|'')*'\s*)+);",
                           re.M)
 NOT_A_COLUMN = ("CONSTRAINT", "PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "EXCLUDE")
