@@ -287,7 +287,8 @@ def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with
 
 
 @tasks_app.command("generate")
-def tasks_generate(kind: str = typer.Argument(..., help="addition, reverse or sort."),
+def tasks_generate(kind: str = typer.Argument(
+                       ..., help="addition, reverse, sort, calculator or guess_number."),
                    n: int = typer.Argument(..., min=1, help="How many tasks."),
                    out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write."),
                    seed: int = 0, test_fraction: float = typer.Option(0.1, min=0.0, max=1.0)) -> None:
