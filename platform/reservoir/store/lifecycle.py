@@ -42,7 +42,8 @@ TRANSITIONS = (
     Transition(("leased",), ("retired",), "store.set_aside",
                "dynamic sampling sets aside a group whose rewards are all equal"),
     Transition(("ready", "consumed"), ("retired",), "store.retire",
-               "rows older than max_staleness policy versions can no longer train"),
+               "on request (no worker calls it): rows older than max_staleness policy "
+               "versions, which can no longer train"),
     Transition(("raw", "ready"), ("retired",), "apply_retention",
                "rows of a run that ended store.retention.retire_after_days ago"),
 )
