@@ -30,7 +30,7 @@ from reservoir.chat import render
 from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.engine import TransformersEngine
 from reservoir.explorer.policy import Sampling
-from reservoir.explorer.tasks import reverse
+from reservoir.plan.tasks import reverse
 from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.models import TinySpec, build_tiny_model
 

@@ -53,7 +53,7 @@ from reservoir import pool  # noqa: E402
 from reservoir.config import parse_config  # noqa: E402
 from reservoir.explorer.engine import TransformersEngine  # noqa: E402
 from reservoir.explorer.evaluate import accuracy  # noqa: E402
-from reservoir.explorer.tasks import GENERATORS  # noqa: E402
+from reservoir.plan.tasks import GENERATORS  # noqa: E402
 from reservoir.models import build_tiny_model, load_model  # noqa: E402
 from reservoir.store import Store  # noqa: E402
 from reservoir.trainer.sft import supervised  # noqa: E402

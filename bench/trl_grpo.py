@@ -120,7 +120,7 @@ def run_trl(model_dir: Path, train_prompts: list[str], train_answers: list[str],
 
 def main() -> None:
     """Smoke test: a fresh tiny model, reverse tasks, a few steps; prints the curve."""
-    from reservoir.explorer.tasks import GENERATORS
+    from reservoir.plan.tasks import GENERATORS
     from reservoir.models import build_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reservoir.explorer.tasks import reverse
+from reservoir.plan.tasks import reverse
 from reservoir.models import build_tiny_model, load_model
 from reservoir.trainer.sft import supervised
 from tests.commands import RESERVOIR

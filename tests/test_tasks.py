@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import text
 
 from reservoir.errors import ConfigError
-from reservoir.explorer.tasks import (addition, read_task_file, reverse, sort_letters,
-                                      write_task_file)
+from reservoir.explorer.tasks import read_task_file, write_task_file
+from reservoir.plan.tasks import addition, reverse, sort_letters
 from reservoir.store.tasks import add_tasks
 
 ROWS = [{"prompt": "What is 1 + 2?", "answer": "3", "split": "test", "level": 1},
@@ -149,10 +149,3 @@ def test_a_nul_in_a_csv_cell_is_named(tmp_path):
     path.write_bytes(b"prompt,answer\nfine,1\nbad\x00cell,2\n")
     with pytest.raises(ConfigError, match=r"bad.csv row 2: column 'prompt' .* NUL"):
         read_task_file(path)
-
-
-def test_the_config_knows_every_generator_by_name():
-    from reservoir.explorer.tasks import GENERATORS
-    from reservoir.plan.tasks import GENERATOR_NAMES
-
-    assert tuple(GENERATORS) == GENERATOR_NAMES

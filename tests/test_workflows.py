@@ -16,12 +16,13 @@ from reservoir.chat import demonstration, encode
 from reservoir.errors import ConfigError, WorkflowError
 from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.engine import Request, TransformersEngine
-from reservoir.explorer.guess import binary_search, feedback, guess_number_tasks
+from reservoir.explorer.guess import feedback
 from reservoir.explorer.policy import Policy, Sampling
 from reservoir.explorer.rewards import exact_match
-from reservoir.explorer.tools import calculate, calculator_tasks
+from reservoir.explorer.tools import calculate
 from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.models import build_tiny_model, load_model
+from reservoir.plan.tasks import binary_search, calculator_tasks, guess_number_tasks
 from reservoir.store import Experience
 from reservoir.trainer.batch import make_batch
 from reservoir.trainer.sft import conversation, demonstrations, sft_batch
@@ -176,6 +177,19 @@ def test_guess_number_gives_feedback_until_found():
     assert feedback("maybe 3?", 3) == "correct"
     row = guess_number_tasks(5, seed=1)[0]
     assert row["answer"] == str(row["payload"]["secret"])
+
+
+def test_the_generated_demonstrations_say_what_the_environments_say():
+    """The task generators live in reservoir.plan (issue 31), the environments in the
+    explorer: a calculator demonstration's result is the calculator's, and a binary search's
+    answers are the guessing game's feedback."""
+    for row in calculator_tasks(200, seed=5):
+        call, result, answer = (m["content"] for m in row["payload"]["messages"][1:])
+        assert result == answer == row["answer"] == calculate(call.removeprefix("CALC "))
+    for row in guess_number_tasks(200, seed=6, low=1, high=40):
+        messages, secret = row["payload"]["messages"][1:], row["payload"]["secret"]
+        for guess, said in zip(messages[::2], [*messages[1::2], {"content": "correct"}]):
+            assert feedback(guess["content"], secret) == said["content"]
 
 
 def test_guess_number_episodes_end_after_max_turns(engine):

@@ -293,7 +293,8 @@ def tasks_generate(kind: str = typer.Argument(
                    out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write."),
                    seed: int = 0, test_fraction: float = typer.Option(0.1, min=0.0, max=1.0)) -> None:
     """Generate CPU example tasks (held-out split included) into a JSONL file."""
-    from reservoir.explorer.tasks import GENERATORS, write_task_file
+    from reservoir.explorer.tasks import write_task_file
+    from reservoir.plan.tasks import GENERATORS
 
     if kind not in GENERATORS:
         raise ReservoirError(f"unknown task kind {kind!r}; valid: {', '.join(GENERATORS)}")

@@ -21,7 +21,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from reservoir.errors import ConfigError, UserSQLError
 from reservoir.plan.presets import PRESETS
-from reservoir.plan.tasks import GENERATOR_NAMES
+from reservoir.plan.tasks import GENERATORS
 from reservoir.plan.urls import DEFAULT_DATA_DIR, UrlError, canonical, from_env, redact_text
 from reservoir.sqltext import check_expression
 from reservoir.yamlfile import line_of, read_yaml
@@ -297,9 +297,8 @@ class ModelConfig(Section):
 
 
 def _generator(value: str | None) -> str | None:
-    if value is not None and value not in GENERATOR_NAMES:
-        raise ValueError(f"unknown task generator {value!r}; valid: "
-                         f"{', '.join(GENERATOR_NAMES)}")
+    if value is not None and value not in GENERATORS:
+        raise ValueError(f"unknown task generator {value!r}; valid: {', '.join(GENERATORS)}")
     return value
 
 

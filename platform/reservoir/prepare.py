@@ -10,7 +10,8 @@ import random
 from pathlib import Path
 
 from reservoir.config import ReservoirConfig
-from reservoir.explorer.tasks import GENERATORS, read_task_file
+from reservoir.explorer.tasks import read_task_file
+from reservoir.plan.tasks import GENERATORS
 from reservoir.store import Store
 from reservoir.plan.stages import total_steps
 

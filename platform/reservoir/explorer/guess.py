@@ -6,15 +6,13 @@ counts as a wrong guess: "a number, please"). The episode ends when the number i
 after `max_turns` guesses. Reward components: `accuracy` (1 when found) and `speed` (up to 0.5,
 less for every extra guess), so fewer guesses score more.
 
-Its tasks (`guess_number_tasks`, `tasks.generate: guess_number`) hold the secret in their
-payload, with a binary-search demonstration for sft on tasks.
+Its tasks (`reservoir.plan.tasks.guess_number_tasks`, `tasks.generate: guess_number`) hold the
+secret in their payload, with a binary-search demonstration for sft on tasks.
 """
 
 from __future__ import annotations
 
-import random
 import re
-from typing import Any
 
 from reservoir.explorer.workflow import whole_number
 
@@ -66,33 +64,3 @@ def _reward(found: bool, turns: int, max_turns: int) -> tuple[float, dict[str, f
     speed = 0.5 * (max_turns - turns) / max(1, max_turns - 1) if found else 0.0
     components = {"accuracy": float(found), "speed": speed}
     return sum(components.values()), components
-
-
-def binary_search(secret: int, low: int, high: int) -> list[dict[str, str]]:
-    """The guesses and answers of a binary search for the secret, as messages."""
-    messages = []
-    while True:
-        guess = (low + high) // 2
-        said = feedback(str(guess), secret)
-        messages.append({"role": "assistant", "content": str(guess)})
-        if said == "correct":
-            return messages
-        messages.append({"role": "user", "content": said})
-        low, high = (guess + 1, high) if said == "higher" else (low, guess - 1)
-
-
-def guess_number_tasks(n: int, *, seed: int = 0, test_fraction: float = 0.1, low: int = 1,
-                       high: int = 16) -> list[dict[str, Any]]:
-    """'Guess my number from low to high' with the secret and a binary-search demonstration."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        secret = rng.randint(low, high)
-        prompt = f"Guess my number from {low} to {high}"
-        rows.append({"prompt": prompt, "answer": str(secret),
-                     "split": "test" if rng.random() < test_fraction else "train",
-                     "source": "guess_number",
-                     "payload": {"secret": secret, "messages": [
-                         {"role": "user", "content": prompt},
-                         *binary_search(secret, low, high)]}})
-    return rows

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 from typing import Any, Callable
 
 from reservoir.chat import check_demonstration
 from reservoir.errors import ConfigError
-from reservoir.explorer.guess import guess_number_tasks
 from reservoir.explorer.rewards import REWARDS
-from reservoir.explorer.tools import calculator_tasks
 
 KNOWN = ("prompt", "answer", "split", "source")
 SPLITS = ("train", "test")
@@ -182,62 +179,6 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         value = value.tolist()
     return None if _missing(value) or value == "" else value
-
-
-def _split(rng: random.Random, test_fraction: float) -> str:
-    return "test" if rng.random() < test_fraction else "train"
-
-
-def addition(n: int, *, seed: int = 0, max_operand: int = 99,
-             test_fraction: float = 0.1) -> list[dict[str, Any]]:
-    """'What is a + b?' with the sum as answer."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({"prompt": f"What is {a} + {b}?", "answer": str(a + b),
-                     "split": _split(rng, test_fraction), "source": "addition",
-                     "payload": {"a": a, "b": b}})
-    return rows
-
-
-def _word(rng: random.Random, low: int, high: int) -> str:
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(low, high)))
-
-
-def _word_tasks(n: int, *, seed: int, min_length: int, max_length: int, test_fraction: float,
-                verb: str, solve: Callable[[str], str], source: str) -> list[dict[str, Any]]:
-    """'<verb>: <random word>' tasks whose answer is solve(word)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        word = _word(rng, min_length, max_length)
-        rows.append({"prompt": f"{verb}: {word}", "answer": solve(word),
-                     "split": _split(rng, test_fraction), "source": source,
-                     "payload": {"word": word}})
-    return rows
-
-
-def reverse(n: int, *, seed: int = 0, min_length: int = 3, max_length: int = 6,
-            test_fraction: float = 0.1) -> list[dict[str, Any]]:
-    """'Reverse: abc' with 'cba' as answer: a rule to generalise, not facts to memorise."""
-    return _word_tasks(n, seed=seed, min_length=min_length, max_length=max_length,
-                       test_fraction=test_fraction, verb="Reverse", solve=lambda w: w[::-1],
-                       source="reverse")
-
-
-def sort_letters(n: int, *, seed: int = 0, min_length: int = 3, max_length: int = 6,
-                 test_fraction: float = 0.1) -> list[dict[str, Any]]:
-    """'Sort: dcab' with 'abcd' as answer."""
-    return _word_tasks(n, seed=seed, min_length=min_length, max_length=max_length,
-                       test_fraction=test_fraction, verb="Sort",
-                       solve=lambda w: "".join(sorted(w)), source="sort")
-
-
-GENERATORS: dict[str, Callable[..., list[dict[str, Any]]]] = {
-    "addition": addition, "reverse": reverse, "sort": sort_letters,
-    "calculator": calculator_tasks, "guess_number": guess_number_tasks,
-}
 
 
 def write_task_file(rows: list[dict[str, Any]], path: Path) -> None:

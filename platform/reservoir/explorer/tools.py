@@ -8,8 +8,9 @@ than `max_calls` calls, or a turn cut by max_tokens, ends with no answer (reward
 The calculator evaluates + - * / // % ** and parentheses over numbers, nothing else (it walks
 Python's syntax tree; names, calls and attributes are refused), with bounded sizes.
 
-Its tasks (`calculator_tasks`, `tasks.generate: calculator`): "Compute 47*83" with the answer,
-and a demonstration (the call, the result, the answer) that sft on tasks trains on.
+Its tasks (`reservoir.plan.tasks.calculator_tasks`, `tasks.generate: calculator`): "Compute
+47*83" with the answer, and a demonstration (the call, the result, the answer) that sft on tasks
+trains on.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
-import random
 import re
-from typing import Any
 
 from reservoir.explorer.workflow import whole_number
 
@@ -93,24 +92,3 @@ class Calculator:
         return [episode.experience(*policy.score(answer, task.answer),
                                    metadata={"tool_calls": n_calls})
                 for episode, answer, n_calls in zip(episodes, answers, calls)]
-
-
-def calculator_tasks(n: int, *, seed: int = 0, test_fraction: float = 0.1,
-                     low: int = 10, high: int = 99) -> list[dict[str, Any]]:
-    """'Compute a*b' (or + or -) over two numbers in [low, high], with a demonstration."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice("+-*")
-        expression = f"{a}{op}{b}"
-        result = calculate(expression)
-        prompt = f"Compute {expression}"
-        rows.append({"prompt": prompt, "answer": result,
-                     "split": "test" if rng.random() < test_fraction else "train",
-                     "source": "calculator",
-                     "payload": {"messages": [
-                         {"role": "user", "content": prompt},
-                         {"role": "assistant", "content": f"CALC {expression}"},
-                         {"role": "tool", "content": result},
-                         {"role": "assistant", "content": result}]}})
-    return rows
