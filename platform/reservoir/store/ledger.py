@@ -205,9 +205,9 @@ def staleness_counts(conn: Connection, run: str) -> list[tuple[int, int]]:
     return [tuple(row) for row in conn.execute(STALENESS, {"run": run})]
 
 
-# A step on preference pairs, one statement: the lease's pairs become consumed, the step row is inserted, one batch_pairs
-# row per pair and one batch_items row per experience (chosen +1, rejected -1) join them; the
-# keys those rows check reuse their plans (engine.REUSE_PLANS).
+# A step on preference pairs, one statement: the lease's pairs become consumed, the step row is
+# inserted, one batch_pairs row per pair and one batch_items row per experience (chosen +1,
+# rejected -1) join them; the keys those rows check reuse their plans (engine.REUSE_PLANS).
 COMMIT_PAIRS = text(f"""
 WITH consumed AS (
     UPDATE preferences
@@ -274,7 +274,6 @@ class Ledger(Door):
     step_experiences = reading(step_experiences)
     step_pairs = reading(step_pairs)
     step_time = reading(step_time)
-    has_step = reading(has_step)
     last_step = reading(last_step)
     step_history = reading(step_history)
     staleness_counts = reading(staleness_counts)

@@ -333,9 +333,7 @@ class Pipelines(Door):
     task_pass_rates = reading(task_pass_rates)
     run_models = reading(run_models)
     history = reading(history)
-    start_run = writing(start_run)
     finish_run = writing(finish_run)
-    mark_abandoned = writing(mark_abandoned)
     write_back = writing(write_back)
 
     @contextlib.contextmanager

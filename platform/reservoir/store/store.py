@@ -142,9 +142,7 @@ class AsyncStore:
 
 def _branch(conn: Connection, run_id: int, parent_name: str, step: int) -> None:
     """A branched run's lineage and its parent's tasks (how often each was explored too)."""
-    parent = runs.run_id_of(conn, parent_name)
-    if parent is None:
-        raise ConfigError(f"--from {parent_name}@{step}: there is no run {parent_name!r}")
+    parent = runs.run_id_of(conn, parent_name)  # StoreError: there is no such run
     if not ledger.has_step(conn, parent, step):
         raise ConfigError(f"--from {parent_name}@{step}: run {parent_name!r} has not "
                           f"committed step {step}")
