@@ -37,6 +37,10 @@ PLANTED = {  # rule (a space or two to tell cases apart) -> (file, code that bre
     "transaction_openers": ("pool.py", "def f(store):\n    with store.engine.connect() as c:\n"
                             "        pass\n"),
     "status_changers": ("store/ledger.py", 'Q = """update experience_state\n set status = 2"""\n'),
+    "mixed_sql_styles": ("store/ledger.py", "from sqlalchemy import text, select as s\n"
+                         "A = text('SELECT 1')\nB = s(1)\n"),
+    "mixed_sql_styles ": ("store/runs.py", "import sqlalchemy as sa\n"
+                          "A = sa.text('SELECT 1')\nB = sa.update(1)\n"),
 }
 
 
@@ -51,7 +55,7 @@ def measured(tmp_path, planted: tuple[str, str] | None = None) -> layout.Counts:
 def broken(counts: layout.Counts) -> dict[str, int]:
     found = {rule: len(getattr(counts, rule)) for rule in
              ("store_door", "roles_apart", "sql_outside_store", "upward", "circles",
-              "transaction_openers")}
+              "transaction_openers", "mixed_sql_styles")}
     return {**found, "status_changers": len(counts.status_changers) - 1}  # one owner may
 
 
@@ -68,12 +72,14 @@ def test_each_rule_finds_a_planted_violation(tmp_path, rule):
 def test_the_code_keeps_its_layout():
     """Nothing outside the store imports a store submodule, holds SQL or opens a transaction;
     explorer, trainer and pipeline never import each other; no import climbs the layers or
-    closes a circle; one module changes an experience's status (python -m tools.layout)."""
+    closes a circle; one module changes an experience's status; each store module writes its
+    SQL one way (python -m tools.layout)."""
     counts = layout.measure()
     assert counts.store_door == [] and counts.sql_outside_store == []
     assert counts.roles_apart == [] and counts.upward == [] and counts.circles == []
     assert counts.transaction_openers == {}
     assert len(counts.status_changers) <= 1, sorted(counts.status_changers)
+    assert counts.mixed_sql_styles == []
 
 
 SYNONYMS = {"prompt_text": "prompt", "response_text": "response", "id": "<entity>_id",

@@ -51,6 +51,7 @@ NOT_THE_STORE = {("reservoir.pipeline.validate", "sqlite3"), ("reservoir.pipelin
                  ("reservoir.pipeline.validate", "to_sql"),
                  ("reservoir.pipeline.validate", "SELECT COUNT(*) FROM ("),
                  ("reservoir.plan.urls", "psycopg2")}
+CORE_BUILDERS = {"select", "insert", "update", "delete"}
 TRANSACTIONS = {"begin", "connect", "begin_nested", "transaction", "acquire"}
 EXPERIENCE_TABLES = ("experience_state", "experiences")
 STATUS_CHANGE = re.compile(  # a row's birth (the writer, a pipeline's children) is no change
@@ -215,6 +216,41 @@ def _on_experiences(chain: ast.AST, verb: str) -> bool:
     return False
 
 
+def mixed_sql_styles(graph: Graph) -> list[str]:
+    """Store modules that write SQL both ways: as text (`sqlalchemy.text`) and built with
+    SQLAlchemy Core (`select`, `insert`, `update`, `delete` imported from sqlalchemy). A module
+    keeps one style, so a reader learns one way to read its statements."""
+    mixed = []
+    for module, tree in graph.trees.items():
+        if not _inside_store(module):
+            continue
+        called = _sqlalchemy_calls(tree)
+        if "text" in called and called & CORE_BUILDERS:
+            mixed.append(f"{module} (text and {', '.join(sorted(called & CORE_BUILDERS))})")
+    return mixed
+
+
+def _sqlalchemy_calls(tree: ast.AST) -> set[str]:
+    """The sqlalchemy functions a module calls, by their own names (`from sqlalchemy import
+    text as t; t(...)` is `text`; `sa.select(...)` is `select`)."""
+    names, modules = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sqlalchemy"):
+            names.update({alias.asname or alias.name: alias.name for alias in node.names})
+        elif isinstance(node, ast.Import):
+            modules.update(alias.asname or alias.name for alias in node.names
+                           if alias.name.startswith("sqlalchemy"))
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in names:
+            called.add(names[node.func.id])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id in modules:
+            called.add(node.func.attr)
+    return called
+
+
 @dataclass
 class Counts:
     store_door: list[str]
@@ -224,13 +260,14 @@ class Counts:
     circles: list[list[str]]
     status_changers: dict[str, list[int]]
     transaction_openers: dict[str, list[int]]
+    mixed_sql_styles: list[str]
 
 
 def measure(graph: Graph | None = None) -> Counts:
     graph = graph or read()
     return Counts(store_door(graph), roles_apart(graph), sql_outside_store(graph),
                   upward(graph), circles(graph), status_changers(graph),
-                  transaction_openers(graph))
+                  transaction_openers(graph), mixed_sql_styles(graph))
 
 
 def main() -> int:
@@ -245,7 +282,9 @@ def main() -> int:
             ("imports that run back up the layers", counts.upward, 0),
             ("circles of imports", counts.circles, 0),
             ("modules that change an experience's status", counts.status_changers, 1),
-            ("modules outside the store that open a transaction", counts.transaction_openers, 0)]
+            ("modules outside the store that open a transaction", counts.transaction_openers, 0),
+            ("store modules that write SQL both as text and with Core", counts.mixed_sql_styles,
+             0)]
     for label, found, goal in rows:
         where = ", ".join(sorted(found)) if isinstance(found, dict) else \
             "; ".join(" <-> ".join(c) if isinstance(c, list) else c for c in found[:4]) + \

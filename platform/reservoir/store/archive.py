@@ -523,8 +523,9 @@ def apply_retention(target: Store | Engine | str, retention: RetentionConfig, *,
         if retention.retire_after_days is not None:
             with (_failures("retiring old rows", "none was retired"),
                   engine.begin() as conn):
-                retired = conn.execute(lifecycle.RETIRE_AGED, {"seconds": retention.retire_after_days * DAY,
-                                                "ended": ENDED}).rowcount
+                age = dt.timedelta(days=retention.retire_after_days)
+                retired = conn.execute(lifecycle.RETIRE_AGED,
+                                       {"age": age, "ended": ENDED}).rowcount
         if retention.archive_after_days is not None:
             with engine.connect() as conn:
                 names = conn.execute(IDLE_RUNS, {"seconds": retention.archive_after_days * DAY,

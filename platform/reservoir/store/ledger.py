@@ -9,23 +9,33 @@ import math
 from typing import Any, Sequence
 
 import asyncpg
-from sqlalchemy import Connection, bindparam, cast, func, select, text, update
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy import (Connection, bindparam, cast, column, func, insert, literal, literal_column,
+                        select, table, true, union_all, update)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.types import BigInteger, Float
 
 from reservoir.store.door import Door, reading, writing
 from reservoir.errors import LeaseLost, StoreError
 from reservoir.store.engine import REUSE_PLANS
-from reservoir.store import lifecycle
+from reservoir.store import leasing, lifecycle
 from reservoir.store.preferences import PairLease
 from reservoir.store.prepared import Prepared
 from reservoir.store.sampler import Lease
-from reservoir.store.schema import batch_items, batch_pairs, preferences, train_steps
+from reservoir.store.schema import (batch_items, batch_pairs, experience_state, experiences,
+                                     preferences, runs, train_steps)
 
 LEASE_LOST = "RS001"  # the SQLSTATE lease_consumed raises (migration 0018)
+
+
+def _step_row():
+    """Insert CTE: the step's train_steps row (its values bound); returns its id."""
+    return (insert(train_steps).values(
+        run_id=bindparam("run_id"), step=bindparam("step"),
+        policy_version=bindparam("policy_version"), loss=bindparam("loss"),
+        metrics=bindparam("metrics", type_=JSONB), n_experiences=bindparam("n_experiences"),
+        stage=bindparam("stage")).returning(train_steps.c.id).cte("step"))
 
 
 def commit_statement(run_ids: tuple[int, ...]):
@@ -38,42 +48,31 @@ def commit_statement(run_ids: tuple[int, ...]):
     from the runs table), so its plan, kept by the connection, reads only their partitions; the
     key check of the step row (to runs) reuses its plan.
     """
-    runs = ", ".join(str(int(run_id)) for run_id in run_ids)
-    return text(f"""
-WITH {lifecycle.consumed_cte(runs)}, step AS (
-    INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
-    VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences, :stage)
-    RETURNING id
-), weighted AS (
-    SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:weights AS float8[]))
-        AS w (experience_id, weight)
-), items AS (
-    INSERT INTO batch_items (train_step_id, run_id, experience_id, policy_version, weight)
-    SELECT step.id, consumed.run_id, consumed.id, :policy_version, weighted.weight
-    FROM consumed JOIN weighted ON weighted.experience_id = consumed.id CROSS JOIN step
-    RETURNING train_step_id
-)
-SELECT (SELECT id FROM step), lease_consumed((SELECT count(*) FROM items), :n_experiences, :token),
-       {REUSE_PLANS}
-""").bindparams(
-        bindparam("token", type_=UUID(as_uuid=True)),
-        bindparam("metrics", type_=JSONB),
-        bindparam("ids", type_=ARRAY(BigInteger)),
-        bindparam("weights", type_=ARRAY(Float)),
-    )
+    s = experience_state
+    runs = [literal_column(str(int(run_id))) for run_id in run_ids]
+    consumed = lifecycle.consumed(
+        s.c.run_id.in_(runs), s.c.id == func.any(bindparam("ids", type_=ARRAY(BigInteger)))
+    ).cte("consumed")
+    step = _step_row()
+    weighted = func.unnest(bindparam("ids", type_=ARRAY(BigInteger)),
+                           bindparam("weights", type_=ARRAY(Float))
+                           ).table_valued("experience_id", "weight").render_derived("w")
+    items = (insert(batch_items).from_select(
+        ["train_step_id", "run_id", "experience_id", "policy_version", "weight"],
+        select(step.c.id, consumed.c.run_id, consumed.c.id, bindparam("policy_version"),
+               weighted.c.weight)
+        .join_from(consumed, weighted, weighted.c.experience_id == consumed.c.id)
+        .join(step, true()))
+        .returning(batch_items.c.train_step_id).cte("items"))
+    n_items = select(func.count()).select_from(items).scalar_subquery()
+    return select(select(step.c.id).scalar_subquery(),
+                  func.lease_consumed(n_items, bindparam("n_experiences"), leasing.TOKEN),
+                  literal_column(REUSE_PLANS)).add_cte(consumed, step, items)
 
 
 @functools.lru_cache(maxsize=256)
 def _prepared_commit(run_ids: tuple[int, ...]) -> Prepared:
     return Prepared(commit_statement(run_ids))
-
-
-# A step's ledger rows for experiences it read without a lease (their runs from the store).
-RECORD_ITEMS = text("""
-INSERT INTO batch_items (train_step_id, run_id, experience_id, policy_version)
-SELECT :step_id, s.run_id, s.id, :policy_version FROM experience_state s
-WHERE s.id = ANY(CAST(:ids AS bigint[]))
-""")
 
 
 def finite(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -108,11 +107,13 @@ async def commit_step(engine: AsyncEngine, lease: Lease, *, run_id: int, step: i
     return step_id
 
 
-def _commit_error(exc: asyncpg.PostgresError, step: int, run_id: int) -> Exception:
-    """What a failed step commit tells its caller; nothing was consumed."""
-    first_line = str(exc).splitlines()[0]
+def _commit_error(exc: asyncpg.PostgresError, step: int, run_id: int,
+                  unit: str = "rows") -> Exception:
+    """What a failed step commit of a lease of `unit` (rows, pairs) tells its caller; nothing
+    was consumed."""
+    first_line = str(exc).splitlines()[0].replace(" rows ", f" {unit} ")
     if exc.sqlstate == LEASE_LOST:
-        return LeaseLost(f"step {step}: {first_line}; nothing was consumed, lease a new batch")
+        return LeaseLost(f"step {step}: {first_line}; nothing was consumed, lease new {unit}")
     if getattr(exc, "constraint_name", None) == "train_steps_run_step":
         return StoreError(f"step {step} of run id {run_id} is already committed; nothing was "
                           "consumed")
@@ -132,8 +133,11 @@ def record_step(conn: Connection, run_id: int, step: int, *, policy_version: int
         .on_conflict_do_nothing(constraint="train_steps_run_step")
         .returning(train_steps.c.id)).scalar()
     if inserted is not None and experience_ids:
-        written = conn.execute(RECORD_ITEMS, {"step_id": inserted, "ids": list(experience_ids),
-                                              "policy_version": policy_version}).rowcount
+        state = experience_state
+        written = conn.execute(insert(batch_items).from_select(
+            ["train_step_id", "run_id", "experience_id", "policy_version"],
+            select(literal(inserted), state.c.run_id, state.c.id, literal(policy_version))
+            .where(state.c.id.in_(list(experience_ids))))).rowcount
         if written != len(set(experience_ids)):
             raise StoreError(f"step {step} of run id {run_id}: {len(set(experience_ids))} "
                              f"experience ids, {written} of them in the store; nothing recorded")
@@ -173,8 +177,8 @@ def step_time(conn: Connection, run_id: int, step: int):
 
 
 def has_step(conn: Connection, run_id: int, step: int) -> bool:
-    return conn.execute(select(train_steps.c.id).where(train_steps.c.run_id == run_id,
-                                                       train_steps.c.step == step)).first() is not None
+    return conn.execute(select(train_steps.c.id).where(
+        train_steps.c.run_id == run_id, train_steps.c.step == step)).first() is not None
 
 
 def last_step(conn: Connection, run_id: int) -> int | None:
@@ -183,59 +187,64 @@ def last_step(conn: Connection, run_id: int) -> int | None:
                         .where(train_steps.c.run_id == run_id)).scalar()
 
 
-STEP_HISTORY = text("""
-SELECT step, created_at, loss, eval_accuracy AS accuracy, reward_mean, response_len_mean
-FROM analytics.run_steps WHERE run = :run ORDER BY step
-""")
-STALENESS = text("""
-SELECT bi.policy_version - e.policy_version AS staleness, count(*) AS n
-FROM batch_items bi JOIN experiences e ON e.id = bi.experience_id
-JOIN train_steps ts ON ts.id = bi.train_step_id JOIN runs r ON r.id = ts.run_id
-WHERE r.name = :run GROUP BY 1 ORDER BY 1
-""")
+_run_steps = table("run_steps", *(column(name) for name in (
+    "run", "step", "created_at", "loss", "eval_accuracy", "reward_mean", "response_len_mean")),
+    schema="analytics")
 
 
 def step_history(conn: Connection, run: str) -> list[tuple]:
     """(step, created_at, loss, held-out accuracy, reward mean, response length mean) per step."""
-    return [tuple(row) for row in conn.execute(STEP_HISTORY, {"run": run})]
+    v = _run_steps.c
+    return [tuple(row) for row in conn.execute(
+        select(v.step, v.created_at, v.loss, v.eval_accuracy.label("accuracy"), v.reward_mean,
+               v.response_len_mean).where(v.run == run).order_by(v.step))]
 
 
 def staleness_counts(conn: Connection, run: str) -> list[tuple[int, int]]:
     """(staleness in versions, trained rows) of a run's ledger."""
-    return [tuple(row) for row in conn.execute(STALENESS, {"run": run})]
+    bi, e = batch_items.c, experiences.c
+    staleness = (bi.policy_version - e.policy_version).label("staleness")
+    return [tuple(row) for row in conn.execute(
+        select(staleness, func.count().label("n"))
+        .join_from(batch_items, experiences, e.id == bi.experience_id)
+        .join(train_steps, train_steps.c.id == bi.train_step_id)
+        .join(runs, runs.c.id == train_steps.c.run_id)
+        .where(runs.c.name == run).group_by(staleness).order_by(staleness))]
 
 
 # A step on preference pairs, one statement: the lease's pairs become consumed, the step row is
 # inserted, one batch_pairs row per pair and one batch_items row per experience (chosen +1,
 # rejected -1) join them; the keys those rows check reuse their plans (engine.REUSE_PLANS).
-COMMIT_PAIRS = text(f"""
-WITH consumed AS (
-    UPDATE preferences
-    SET status = 'consumed', times_sampled = times_sampled + 1,
-        lease_token = NULL, leased_until = NULL
-    WHERE lease_token = :token
-    RETURNING id, run_id, chosen_id, rejected_id
-), step AS (
-    INSERT INTO train_steps (run_id, step, policy_version, loss, metrics, n_experiences, stage)
-    VALUES (:run_id, :step, :policy_version, :loss, :metrics, :n_experiences, :stage)
-    RETURNING id
-), ledger_pairs AS (
-    INSERT INTO batch_pairs (train_step_id, preference_id)
-    SELECT step.id, consumed.id FROM consumed CROSS JOIN step
-    RETURNING preference_id
-), ledger_items AS (
-    INSERT INTO batch_items (train_step_id, run_id, experience_id, policy_version, weight)
-    SELECT step.id, consumed.run_id, side.experience_id, :policy_version, sum(side.weight)
-    FROM consumed
-    CROSS JOIN LATERAL (VALUES (consumed.chosen_id, 1.0::float8),
-                               (consumed.rejected_id, -1.0::float8)) AS side (experience_id, weight)
-    CROSS JOIN step
-    GROUP BY step.id, consumed.run_id, side.experience_id
-    RETURNING experience_id
-)
-SELECT (SELECT id FROM step) AS step_id, (SELECT count(*) FROM ledger_pairs) AS pairs,
-       {REUSE_PLANS} AS plans
-""").bindparams(bindparam("token", type_=UUID(as_uuid=True)), bindparam("metrics", type_=JSONB))
+def _commit_pairs_statement():
+    """A step on preference pairs, one statement: the lease's pairs become consumed, the step
+    row is inserted, one batch_pairs row per pair and one batch_items row per experience
+    (chosen +1, rejected -1; an experience on both sides gets the sum) join them; the keys
+    those rows check reuse their plans (engine.REUSE_PLANS)."""
+    f = preferences
+    consumed = (leasing.consumed(f, f.c.status == "leased")
+                .returning(f.c.id, f.c.run_id, f.c.chosen_id, f.c.rejected_id).cte("consumed"))
+    step = _step_row()
+    ledger_pairs = (insert(batch_pairs).from_select(
+        ["train_step_id", "preference_id"],
+        select(step.c.id, consumed.c.id).join_from(consumed, step, true()))
+        .returning(batch_pairs.c.preference_id).cte("ledger_pairs"))
+    side = union_all(select(consumed.c.run_id, consumed.c.chosen_id.label("experience_id"),
+                            literal_column("1.0::float8").label("weight")),
+                     select(consumed.c.run_id, consumed.c.rejected_id,
+                            literal_column("-1.0::float8"))).subquery("side")
+    ledger_items = (insert(batch_items).from_select(
+        ["train_step_id", "run_id", "experience_id", "policy_version", "weight"],
+        select(step.c.id, side.c.run_id, side.c.experience_id, bindparam("policy_version"),
+               func.sum(side.c.weight)).join_from(side, step, true())
+        .group_by(step.c.id, side.c.run_id, side.c.experience_id))
+        .returning(batch_items.c.experience_id).cte("ledger_items"))
+    n_pairs = select(func.count()).select_from(ledger_pairs).scalar_subquery()
+    return select(select(step.c.id).scalar_subquery(),
+                  func.lease_consumed(n_pairs, bindparam("n_pairs"), leasing.TOKEN),
+                  literal_column(REUSE_PLANS)).add_cte(consumed, step, ledger_pairs, ledger_items)
+
+
+COMMIT_PAIRS = Prepared(_commit_pairs_statement())
 
 
 async def commit_pairs(engine: AsyncEngine, lease: PairLease, *, run_id: int, step: int,
@@ -250,21 +259,14 @@ async def commit_pairs(engine: AsyncEngine, lease: PairLease, *, run_id: int, st
     """
     n = len(lease.pairs)
     params = dict(token=lease.token, run_id=run_id, step=step, policy_version=policy_version,
-                  loss=loss, metrics=finite(metrics or {}), n_experiences=2 * n, stage=stage)
-    async with engine.begin() as conn:
+                  loss=loss, metrics=json.dumps(finite(metrics or {})), n_experiences=2 * n,
+                  n_pairs=n, stage=stage)
+    async with engine.connect() as conn:  # the statement commits alone
         try:
-            step_id, written, _ = (await conn.execute(COMMIT_PAIRS, params)).one()
-        except IntegrityError as exc:
-            if "train_steps_run_step" in str(exc.orig):
-                raise StoreError(f"step {step} of run id {run_id} is already committed; "
-                                 "no pair was consumed") from exc
-            raise StoreError(f"step {step} could not be committed; no pair was consumed: "
-                             f"{exc.orig}") from exc
-        if written != n:
-            await conn.rollback()
-            raise LeaseLost(
-                f"step {step}: lease {lease.token} holds {written} of its {n} pairs (it expired "
-                "and was reclaimed); nothing was consumed, lease new pairs")
+            [(step_id, _, _)] = await COMMIT_PAIRS.fetch(conn, params)
+        except asyncpg.PostgresError as exc:
+            raise _commit_error(exc, step, run_id, "pairs") from exc
+    return step_id
     return step_id
 
 

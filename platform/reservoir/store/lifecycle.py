@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import (BigInteger, Connection, Float, Interval, LargeBinary, Text, bindparam,
-                        case, func, text, update)
-from sqlalchemy.dialects.postgresql import ARRAY, UUID
+from sqlalchemy import (BigInteger, Connection, Float, Interval, LargeBinary, Text, bindparam, case,
+                        cast, func, literal_column, null, select, update)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
+from reservoir.store import arrays, leasing
+from reservoir.store.schema import experience_data as d
 from reservoir.store.schema import experience_state as e
+from reservoir.store.schema import experiences, runs
 
 
 @dataclass(frozen=True)
@@ -53,17 +56,14 @@ TRANSITIONS = (
 
 def leased(*where):
     """Update: rows matching `where` become leased by :token until now() + :lease_for."""
-    return update(e).where(*where).values(
-        status="leased", lease_token=bindparam("token", type_=UUID(as_uuid=True)),
-        leased_until=func.now() + bindparam("lease_for", type_=Interval))
+    return leasing.taken(e, *where)
 
 
 def given_back(where):
     """Update: rows matching `where` leave their lease (never trained -> ready, else
     consumed); returns their run ids."""
     back = case((e.c.times_sampled == 0, "ready"), else_="consumed")
-    return (update(e).where(where).values(status=back, lease_token=None, leased_until=None)
-            .returning(e.c.run_id))
+    return leasing.given_back(e, where, back).returning(e.c.run_id)
 
 
 def retired(*where):
@@ -71,40 +71,17 @@ def retired(*where):
     return update(e).where(*where).values(status="retired").returning(e.c.id)
 
 
-SET_ASIDE = text("""
-WITH aside AS (
-    UPDATE experience_state
-    SET status = 'retired', lease_token = NULL, leased_until = NULL
-    WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :token
-    RETURNING id, run_id
-), noted AS (
-    UPDATE experience_data d
-    SET metadata = d.metadata || jsonb_build_object('set_aside', CAST(:reason AS text))
-    FROM aside WHERE d.run_id = aside.run_id AND d.id = aside.id
-    RETURNING d.id
-), per_run AS (
-    SELECT run_id, count(*) AS n FROM aside GROUP BY run_id
-), counted AS (
-    UPDATE runs SET rows_sampled = rows_sampled - per_run.n FROM per_run
-    WHERE runs.id = per_run.run_id RETURNING runs.id
-)
-SELECT (SELECT count(*) FROM aside), (SELECT count(*) FROM noted), (SELECT count(*) FROM counted)
-""").bindparams(bindparam("token", type_=UUID(as_uuid=True)),
-                bindparam("ids", type_=ARRAY(BigInteger)))
+def set_aside(where):
+    """Update: leased rows matching `where` leave their lease retired (dynamic sampling: a group
+    whose rewards are all equal); returns their ids and runs."""
+    return leasing.given_back(e, where, literal_column("'retired'")).returning(e.c.id, e.c.run_id)
 
 
 # -- the ledger's: a step consumes its lease -----------------------------------------------
 
-def consumed_cte(runs: str) -> str:
-    """The `consumed` CTE of the ledger's commit statement: the lease's rows of the runs
-    `runs` (their ids, written into the SQL) become consumed."""
-    return f"""consumed AS (
-    UPDATE experience_state
-    SET status = 'consumed', times_sampled = times_sampled + 1,
-        lease_token = NULL, leased_until = NULL
-    WHERE run_id IN ({runs}) AND id = ANY(CAST(:ids AS bigint[])) AND lease_token = :token
-    RETURNING id, run_id
-)"""
+def consumed(*where):
+    """Update: the lease's rows matching `where` become consumed; returns their ids and runs."""
+    return leasing.consumed(e, *where).returning(e.c.id, e.c.run_id)
 
 
 # -- a person's verdict --------------------------------------------------------------------
@@ -117,43 +94,56 @@ def settle_held(conn: Connection, experience_id: int, status: str) -> None:
 
 # -- a pipeline's decisions ----------------------------------------------------------------
 
-PIPELINE_CHANGES = text("""
-UPDATE experiences e SET
-    status = coalesce(v.status, e.status),
-    priority = coalesce(v.priority, e.priority),
-    shaped_reward = coalesce(v.shaped_reward, e.shaped_reward),
-    response_text = coalesce(v.response_text, e.response_text),
-    reward_components = coalesce(v.reward_components::jsonb, e.reward_components),
-    metadata = coalesce(v.metadata::jsonb, e.metadata),
-    response_ids = coalesce(v.response_ids, e.response_ids),
-    action_mask = CASE WHEN v.response_ids IS NULL THEN e.action_mask ELSE v.action_mask END,
-    logprobs = CASE WHEN v.response_ids IS NULL THEN e.logprobs END
-FROM unnest(:ids, :status, :priority, :shaped_reward, :response_text, :reward_components,
-            :metadata, :response_ids, :action_mask)
-    AS v (id, status, priority, shaped_reward, response_text, reward_components, metadata,
-          response_ids, action_mask)
-WHERE e.id = v.id
-""").bindparams(
-    bindparam("ids", type_=ARRAY(BigInteger)), bindparam("status", type_=ARRAY(Text)),
-    bindparam("priority", type_=ARRAY(Float)), bindparam("shaped_reward", type_=ARRAY(Float)),
-    bindparam("response_text", type_=ARRAY(Text)),
-    bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)),
-    bindparam("response_ids", type_=ARRAY(LargeBinary)),
-    bindparam("action_mask", type_=ARRAY(LargeBinary)))
+# What a pipeline may change of a row (a null keeps the row's own value).
+CHANGEABLE = dict(status=Text, priority=Float, shaped_reward=Float, response_text=Text,
+                  reward_components=Text, metadata=Text, response_ids=LargeBinary,
+                  action_mask=LargeBinary)
 
-QUARANTINE_PARTNERS = text("""
-UPDATE experience_state e SET status = 'quarantined'
-FROM unnest(:groups, :reasons) AS g (group_id, reason), experience_data d
-WHERE d.group_id = g.group_id AND e.run_id = d.run_id AND e.id = d.id
-  AND e.status IN ('raw', 'ready') AND e.id <> ALL(:decided)
-RETURNING e.id, d.group_id, g.reason
-""").bindparams(bindparam("groups", type_=ARRAY(UUID)), bindparam("reasons", type_=ARRAY(Text)),
-                bindparam("decided", type_=ARRAY(BigInteger)))
+
+def _pipeline_changes():
+    """Update: each row of the unnested arrays (arrays.bound(id=..., status=..., ...)) changes
+    its experience. A row whose response was re-encoded (new response_ids) takes the new action
+    mask and loses its logprobs: they belonged to the old tokens."""
+    x, v = experiences, arrays.unnested("v", id=BigInteger, **CHANGEABLE)
+    kept = {name: func.coalesce(v.c[name], x.c[name])
+            for name in ("status", "priority", "shaped_reward", "response_text", "response_ids")}
+    re_encoded = v.c.response_ids.is_not(None)
+    return update(x).where(x.c.id == v.c.id).values(
+        **kept,
+        reward_components=func.coalesce(cast(v.c.reward_components, JSONB),
+                                        x.c.reward_components),
+        metadata=func.coalesce(cast(v.c.metadata, JSONB), x.c.metadata),
+        action_mask=case((re_encoded, v.c.action_mask), else_=x.c.action_mask),
+        logprobs=case((re_encoded, null()), else_=x.c.logprobs))
+
+
+PIPELINE_CHANGES = _pipeline_changes()
+
+
+def _quarantine_partners():
+    """Update: the rows of the groups in :groups (each broken for its reason in :reasons) that
+    could still train and that the pipeline did not decide (:decided) are quarantined; returns
+    each row's id, group and reason."""
+    g = func.unnest(bindparam("groups", type_=ARRAY(UUID)),
+                    bindparam("reasons", type_=ARRAY(Text))
+                    ).table_valued("group_id", "reason").render_derived("g")
+    return (update(e).where(
+        d.c.group_id == g.c.group_id, e.c.run_id == d.c.run_id, e.c.id == d.c.id,
+        e.c.status.in_([literal_column("'raw'"), literal_column("'ready'")]),
+        e.c.id != func.all(bindparam("decided", type_=ARRAY(BigInteger))))
+        .values(status=literal_column("'quarantined'"))
+        .returning(e.c.id, d.c.group_id, g.c.reason))
+
+
+QUARANTINE_PARTNERS = _quarantine_partners()
 
 
 # -- retention -----------------------------------------------------------------------------
 
-RETIRE_AGED = text("""
-UPDATE experiences SET status = 'retired'
-WHERE status IN ('ready', 'raw') AND created_at < now() - make_interval(secs => :seconds)
-  AND run_id IN (SELECT id FROM runs WHERE status = ANY(:ended))""")
+# Rows not yet trained of the runs that ended (status in :ended) older than :age retire.
+RETIRE_AGED = (update(experiences).where(
+    experiences.c.status.in_([literal_column("'ready'"), literal_column("'raw'")]),
+    experiences.c.created_at < func.now() - bindparam("age", type_=Interval),
+    experiences.c.run_id.in_(select(runs.c.id).where(
+        runs.c.status == func.any(bindparam("ended", type_=ARRAY(Text)))))
+).values(status="retired"))

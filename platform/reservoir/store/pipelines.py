@@ -16,11 +16,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Text, and_, bindparam, case,
-                        func, insert, literal_column, Numeric, select, text, update)
-from sqlalchemy.dialects.postgresql import ARRAY, UUID
+from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Numeric, Text, and_, bindparam,
+                        case, cast, column, exists, func, insert, literal_column, or_, select,
+                        table, update)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
-from reservoir.store import lifecycle
+from reservoir.store import arrays, lifecycle
 from reservoir.store.door import Door, reading, writing
 from reservoir.store.ledger import finite
 from reservoir.store.notify import ROWS_CHANNEL
@@ -51,20 +52,21 @@ def start_run(conn: Connection, *, pipeline: str, spec: dict, spec_hash: str,
     """A `running` row naming this connection's server session: the caller keeps it open for
     the whole run, so a run whose session is gone is known to be abandoned."""
     backend = select(func.pg_backend_pid()).scalar_subquery()
-    started = (select(literal_column("backend_start")).select_from(text("pg_stat_activity"))
-               .where(literal_column("pid") == func.pg_backend_pid()).scalar_subquery())
+    started = (select(_activity.c.backend_start)
+               .where(_activity.c.pid == func.pg_backend_pid()).scalar_subquery())
     return conn.execute(insert(pipeline_runs).values(
         pipeline=pipeline, spec=scrub(spec), spec_hash=spec_hash, source_file=source_file,
         run_ids=run_ids, trigger=trigger, schedule_id=schedule_id, backend_pid=backend,
         backend_started_at=started).returning(pipeline_runs.c.id)).scalar_one()
 
 
+_activity = table("pg_stat_activity", column("pid"), column("backend_start"))
 # A running row is alive while its server session is: same pid, same start (the start is NULL
 # when the session belongs to a role whose sessions this login may not inspect: pid decides).
-SESSION_GONE = text("""NOT EXISTS (
-    SELECT 1 FROM pg_stat_activity a
-    WHERE a.pid = pipeline_runs.backend_pid
-      AND (a.backend_start IS NULL OR a.backend_start = pipeline_runs.backend_started_at))""")
+SESSION_GONE = ~exists().where(
+    _activity.c.pid == pipeline_runs.c.backend_pid,
+    or_(_activity.c.backend_start.is_(None),
+        _activity.c.backend_start == pipeline_runs.c.backend_started_at))
 
 
 def mark_abandoned(conn: Connection) -> int:
@@ -180,10 +182,13 @@ def _runs_of(conn: Connection, ids: list[int | None]) -> dict[int, int]:
                              .where(state.c.id.in_(wanted))).all())
 
 
-NOTIFY_CHANGED = text(f"""
-SELECT count(pg_notify(concat('{ROWS_CHANNEL}', run_id), 'changed'))
-FROM (SELECT DISTINCT run_id FROM experience_state WHERE id = ANY(:ids)) AS changed
-""").bindparams(bindparam("ids", type_=ARRAY(BigInteger)))
+# Statement: tell the channel of each run with a row in :ids that its rows changed.
+_changed = (select(state.c.run_id)
+            .where(state.c.id == func.any(bindparam("ids", type_=ARRAY(BigInteger))))
+            .distinct().subquery("changed"))
+NOTIFY_CHANGED = select(func.count(func.pg_notify(
+    func.concat(literal_column(f"'{ROWS_CHANNEL}'"), _changed.c.run_id),
+    literal_column("'changed'"))))
 
 
 def _notify_changed(conn: Connection, changes: Changes) -> None:
@@ -200,40 +205,42 @@ def _update_experiences(conn: Connection, changes: Changes) -> None:
         return
     values = [changes.values.get(i, {}) for i in ids]
     as_json = lambda v: None if v is None else json.dumps(v)  # noqa: E731
-    conn.execute(lifecycle.PIPELINE_CHANGES, {
-        "ids": ids, "status": [changes.statuses.get(i) for i in ids],
+    conn.execute(lifecycle.PIPELINE_CHANGES, arrays.bound(
+        id=ids, status=[changes.statuses.get(i) for i in ids],
         **{name: [v.get(name) for v in values]
            for name in ("priority", "shaped_reward", "response_text", "response_ids",
                         "action_mask")},
-        "reward_components": [as_json(v.get("reward_components")) for v in values],
-        "metadata": [as_json(v.get("metadata")) for v in values]})
+        reward_components=[as_json(v.get("reward_components")) for v in values],
+        metadata=[as_json(v.get("metadata")) for v in values]))
 
 
-INSERT_CHILDREN = text("""
-INSERT INTO experiences (run_id, task_id, group_id, group_row, policy_version, prompt_text,
-    response_text, prompt_ids, response_ids, logprobs, action_mask, reward, shaped_reward,
-    reward_components, metadata, status, priority, parent_id, parent_run_id)
-SELECT p.run_id, p.task_id, v.group_id,
-    row_number() OVER (PARTITION BY v.group_id ORDER BY v.parent) - 1,
-    p.policy_version, p.prompt_text, v.response_text,
-    p.prompt_ids, coalesce(v.response_ids, p.response_ids),
-    CASE WHEN v.response_ids IS NULL THEN p.logprobs END,
-    coalesce(v.action_mask, p.action_mask), p.reward, v.shaped_reward,
-    v.reward_components::jsonb, v.metadata::jsonb, v.status, v.priority, p.id, p.run_id
-FROM unnest(:parents, :group_ids, :response_text, :response_ids, :action_mask, :shaped_reward,
-            :reward_components, :metadata, :status, :priority)
-    AS v (parent, group_id, response_text, response_ids, action_mask, shaped_reward,
-          reward_components, metadata, status, priority)
-JOIN experiences p ON p.id = v.parent
-RETURNING id, parent_id, run_id
-""").bindparams(
-    bindparam("parents", type_=ARRAY(BigInteger)), bindparam("group_ids", type_=ARRAY(UUID)),
-    bindparam("response_text", type_=ARRAY(Text)),
-    bindparam("response_ids", type_=ARRAY(LargeBinary)),
-    bindparam("action_mask", type_=ARRAY(LargeBinary)),
-    bindparam("shaped_reward", type_=ARRAY(Float)),
-    bindparam("reward_components", type_=ARRAY(Text)), bindparam("metadata", type_=ARRAY(Text)),
-    bindparam("status", type_=ARRAY(Text)), bindparam("priority", type_=ARRAY(Float)))
+def _insert_children():
+    """Insert: one augmented row per row of the unnested arrays, copied from its parent (prompt,
+    ids, version, task, reward) with the child's own response and decisions; a group's children
+    are numbered in parent order. Returns each child's id, parent and run."""
+    v = arrays.unnested("v", id=BigInteger, group_id=UUID, response_text=Text,
+                        response_ids=LargeBinary, action_mask=LargeBinary, shaped_reward=Float,
+                        reward_components=Text, metadata=Text, status=Text, priority=Float)
+    p = experiences.alias("p")
+    rows = {
+        "run_id": p.c.run_id, "task_id": p.c.task_id, "group_id": v.c.group_id,
+        "group_row": func.row_number().over(partition_by=v.c.group_id, order_by=v.c.id) - 1,
+        "policy_version": p.c.policy_version, "prompt_text": p.c.prompt_text,
+        "response_text": v.c.response_text, "prompt_ids": p.c.prompt_ids,
+        "response_ids": func.coalesce(v.c.response_ids, p.c.response_ids),
+        "logprobs": case((v.c.response_ids.is_(None), p.c.logprobs)),
+        "action_mask": func.coalesce(v.c.action_mask, p.c.action_mask), "reward": p.c.reward,
+        "shaped_reward": v.c.shaped_reward,
+        "reward_components": cast(v.c.reward_components, JSONB),
+        "metadata": cast(v.c.metadata, JSONB), "status": v.c.status, "priority": v.c.priority,
+        "parent_id": p.c.id, "parent_run_id": p.c.run_id}
+    x = experiences
+    return (insert(x).from_select(list(rows), select(*rows.values())
+                                  .join_from(v, p, p.c.id == v.c.id))
+            .returning(x.c.id, x.c.parent_id, x.c.run_id))
+
+
+INSERT_CHILDREN = _insert_children()
 
 
 def _quarantine_partners(conn: Connection, changes: Changes) -> None:
@@ -258,14 +265,14 @@ def _insert_children(conn: Connection, changes: Changes) -> None:
     children = changes.children
     if not children:
         return
-    column = lambda name: [child.get(name) for child in children]  # noqa: E731
-    added = conn.execute(INSERT_CHILDREN, {
-        "parents": column("parent"), "group_ids": column("group_id"),
-        "response_text": column("response_text"), "response_ids": column("response_ids"),
-        "action_mask": column("action_mask"), "shaped_reward": column("shaped_reward"),
-        "reward_components": [json.dumps(v) for v in column("reward_components")],
-        "metadata": [json.dumps(v) for v in column("metadata")],
-        "status": column("status"), "priority": column("priority")}).all()
+    of = lambda name: [child.get(name) for child in children]  # noqa: E731
+    added = conn.execute(INSERT_CHILDREN, arrays.bound(
+        id=of("parent"), group_id=of("group_id"),
+        response_text=of("response_text"), response_ids=of("response_ids"),
+        action_mask=of("action_mask"), shaped_reward=of("shaped_reward"),
+        reward_components=[json.dumps(v) for v in of("reward_components")],
+        metadata=[json.dumps(v) for v in of("metadata")],
+        status=of("status"), priority=of("priority"))).all()
     per_run: dict[int, int] = {}
     rewrites = {child["parent"]: child.get("changes", []) for child in children}
     for child_id, parent_id, run_id in added:

@@ -3,10 +3,11 @@ experiences (sampler.py, ledger.py), for DPO.
 
 A pair is two experiences of one run and one task; it is stored once (chosen_id, rejected_id).
 Its status goes ready -> leased -> consumed (a commit) or back to ready (a release, or a lease
-that expired and was reclaimed by the next lease call). A step's commit is the ledger's
-(`ledger.commit_pairs`): its train_steps row, one batch_pairs row per pair and one batch_items
-row per experience (weight +1 chosen, -1 rejected; an experience on both sides of a step's pairs
-gets their sum) in one statement.
+that expired and was reclaimed by the next lease call): the experiences' lease machinery
+(leasing.py), with a pair's own picking (oldest first) and epochs (recycle_pairs). A step's
+commit is the ledger's (`ledger.commit_pairs`): its train_steps row, one batch_pairs row per
+pair and one batch_items row per experience (weight +1 chosen, -1 rejected; an experience on
+both sides of a step's pairs gets their sum) in one statement.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple, Sequence
 
-from sqlalchemy import BigInteger, Connection, bindparam, select, text
-from sqlalchemy.dialects.postgresql import ARRAY, UUID
+from sqlalchemy import (BigInteger, Connection, Integer, bindparam, exists, func, literal_column,
+                        select, update)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from reservoir.errors import FlowControlTimeout, StoreError
+from reservoir.store import leasing
 from reservoir.store.schema import experiences, preferences
 
 
@@ -122,35 +125,22 @@ def add_pairs(conn: Connection, pairs: Sequence[Pair]) -> int:
     return len(insert_pairs(conn, pairs))
 
 
-# Expired leases go back to ready, whichever run holds them (the oldest first; rows another
-# lease call is reclaiming are skipped).
-RECLAIM_PAIRS = text("""
-UPDATE preferences SET status = 'ready', lease_token = NULL, leased_until = NULL
-WHERE id IN (
-    SELECT id FROM preferences WHERE status = 'leased' AND leased_until < now()
-    ORDER BY leased_until FOR UPDATE SKIP LOCKED
-)""")
+RECLAIM_LIMIT = 10_000  # expired pairs a lease call hands back
 
-# Up to :n ready pairs of the runs, oldest first, become leased under :token until now + :lease_for.
-LEASE_PAIRS = text("""
-WITH picked AS (
-    SELECT id FROM preferences
-    WHERE run_id = ANY(:run_ids) AND status = 'ready'
-    ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED
-)
-UPDATE preferences f
-SET status = 'leased', lease_token = :token, leased_until = now() + :lease_for
-FROM picked WHERE f.id = picked.id
-RETURNING f.id, f.run_id, f.task_id, f.chosen_id, f.rejected_id, f.margin, f.times_sampled,
-          f.leased_until
-""").bindparams(bindparam("run_ids", type_=ARRAY(BigInteger)),
-                bindparam("token", type_=UUID(as_uuid=True)))
-
+_f = preferences
+# Expired leases go back to ready, whichever run holds them (the oldest first).
+RECLAIM_PAIRS = leasing.given_back(_f, leasing.expired(_f, limit=RECLAIM_LIMIT), "ready")
 # A lease's pairs go back to ready.
-RELEASE_PAIRS = text("""
-UPDATE preferences SET status = 'ready', lease_token = NULL, leased_until = NULL
-WHERE lease_token = :token
-""").bindparams(bindparam("token", type_=UUID(as_uuid=True)))
+RELEASE_PAIRS = leasing.given_back(_f, leasing.of_token(_f), "ready")
+_RUN_IDS = bindparam("run_ids", type_=ARRAY(BigInteger))
+_OF_RUNS = _f.c.run_id == func.any(_RUN_IDS)
+# Up to :n ready pairs of the runs, oldest first, become leased under :token until
+# now + :lease_for.
+LEASE_PAIRS = leasing.taken(_f, _f.c.id == leasing.any_of(
+    select(_f.c.id).where(_OF_RUNS, _f.c.status == literal_column("'ready'"))
+    .order_by(_f.c.id).limit(bindparam("n", type_=Integer)).with_for_update(skip_locked=True))
+).returning(_f.c.id, _f.c.run_id, _f.c.task_id, _f.c.chosen_id, _f.c.rejected_id, _f.c.margin,
+            _f.c.times_sampled, _f.c.leased_until)
 
 
 async def lease_pairs(engine: AsyncEngine, run_ids: Sequence[int], *, pairs: int,
@@ -179,12 +169,11 @@ async def lease_pairs(engine: AsyncEngine, run_ids: Sequence[int], *, pairs: int
 
 # Every pair of the runs has trained and none is ready or leased: all become ready again (the
 # next epoch over them).
-RECYCLE_PAIRS = text("""
-UPDATE preferences SET status = 'ready'
-WHERE run_id = ANY(:run_ids) AND status = 'consumed'
-AND NOT EXISTS (SELECT 1 FROM preferences p
-                WHERE p.run_id = ANY(:run_ids) AND p.status IN ('ready', 'leased'))
-""").bindparams(bindparam("run_ids", type_=ARRAY(BigInteger)))
+_open = _f.alias("open")
+RECYCLE_PAIRS = update(_f).where(
+    _OF_RUNS, _f.c.status == "consumed",
+    ~exists().where(_open.c.run_id == func.any(_RUN_IDS),
+                    _open.c.status.in_(["ready", "leased"]))).values(status="ready")
 
 
 async def recycle_pairs(engine: AsyncEngine, run_ids: Sequence[int]) -> int:

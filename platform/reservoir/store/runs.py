@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, bindparam, delete, func, select, text, update
+from sqlalchemy import (BigInteger, Connection, Float, Text, bindparam, cast, delete, func,
+                        literal_column, select, update)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
@@ -119,14 +120,18 @@ def add_inserted(run_id: int, n: int):
 
 # Statement: add rows written to each run's counter and notify each run's channel (at commit);
 # returns each run's id with its counter before and after.
-INSERTED_AND_NOTIFY = text(f"""
-UPDATE runs SET rows_inserted = rows_inserted + w.n, updated_at = now()
-FROM unnest(:run_ids, :counts) AS w (run_id, n)
-WHERE runs.id = w.run_id
-RETURNING runs.id, runs.rows_inserted - w.n, runs.rows_inserted,
-          pg_notify(concat('{ROWS_CHANNEL}', runs.id), CAST(:what AS text))
-""").bindparams(bindparam("run_ids", type_=ARRAY(BigInteger)),
-                bindparam("counts", type_=ARRAY(BigInteger)))
+def _inserted_and_notify():
+    written = func.unnest(bindparam("run_ids", type_=ARRAY(BigInteger)),
+                          bindparam("counts", type_=ARRAY(BigInteger))
+                          ).table_valued("run_id", "n").render_derived("w")
+    channel = func.concat(literal_column(f"'{ROWS_CHANNEL}'"), runs.c.id)
+    return (update(runs).where(runs.c.id == written.c.run_id)
+            .values(rows_inserted=runs.c.rows_inserted + written.c.n, updated_at=func.now())
+            .returning(runs.c.id, runs.c.rows_inserted - written.c.n, runs.c.rows_inserted,
+                       func.pg_notify(channel, cast(bindparam("what"), Text))))
+
+
+INSERTED_AND_NOTIFY = _inserted_and_notify()
 
 
 def set_status(conn: Connection, run_id: int, status: str) -> None:
@@ -224,19 +229,31 @@ def latest_version(run_id_column):
             .where(policy_versions.c.run_id == run_id_column).scalar_subquery())
 
 
-SNAPSHOT = text("""
-SELECT r.status, r.rows_inserted, r.progress,
-       (SELECT max(version) FROM policy_versions WHERE run_id = r.id) AS version,
-       (SELECT step FROM train_steps WHERE run_id = r.id ORDER BY step DESC LIMIT 1) AS step,
-       (SELECT metrics FROM train_steps WHERE run_id = r.id AND step > 0
-         ORDER BY step DESC LIMIT 1) AS metrics,
-       (SELECT (metrics ->> 'eval/accuracy')::float8 FROM train_steps
-         WHERE run_id = r.id AND metrics ? 'eval/accuracy' ORDER BY step DESC LIMIT 1) AS accuracy,
-       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'raw') AS raw,
-       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'ready') AS ready,
-       (SELECT count(*) FROM experiences WHERE run_id = r.id AND status = 'leased') AS leased
-FROM runs r WHERE r.name = :run
-""")
+def _snapshot():
+    r, steps, e = runs.alias("r"), train_steps, experiences
+
+    def last_step_of(column, *where):
+        return (select(column).where(steps.c.run_id == r.c.id, *where)
+                .order_by(steps.c.step.desc()).limit(1).scalar_subquery())
+
+    def rows(status: str):
+        return (select(func.count()).where(e.c.run_id == r.c.id,
+                                           e.c.status == literal_column(f"'{status}'"))
+                .scalar_subquery().label(status))
+
+    accuracy = steps.c.metrics["eval/accuracy"].astext.cast(Float)
+    return select(
+        r.c.status, r.c.rows_inserted, r.c.progress,
+        select(func.max(policy_versions.c.version))
+        .where(policy_versions.c.run_id == r.c.id).scalar_subquery().label("version"),
+        last_step_of(steps.c.step).label("step"),
+        last_step_of(steps.c.metrics, steps.c.step > 0).label("metrics"),
+        last_step_of(accuracy, steps.c.metrics.has_key("eval/accuracy")).label("accuracy"),
+        rows("raw"), rows("ready"), rows("leased"),
+    ).where(r.c.name == bindparam("run"))
+
+
+SNAPSHOT = _snapshot()
 
 
 def snapshot(conn: Connection, name: str) -> dict[str, Any] | None:

@@ -24,13 +24,13 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 from sqlalchemy import (BigInteger, Integer, Text, and_, bindparam, exists, func, literal,
-                        literal_column, select, text, true, union_all, update)
+                        literal_column, select, true, union_all, update)
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from reservoir.config import SamplerConfig
 from reservoir.errors import FlowControlTimeout, LeaseLost, StoreError
-from reservoir.store import codec, lifecycle, runs
+from reservoir.store import codec, leasing, lifecycle, runs
 from reservoir.store.flow import RateLimit
 from reservoir.store.notify import NOTIFY_ROWS, AsyncWake, rows_channel
 from reservoir.store.prepared import Prepared
@@ -254,11 +254,11 @@ def lease_statement(unit: str, flow: SamplerConfig, explicit_floor: bool,
     reclaimed = lifecycle.given_back(and_(of_runs, _expired(of_runs))).cte("reclaimed")
     picked = _picked(unit, flow, explicit_floor, run_ids, n).cte("picked")
     if unit == "rows":
-        chosen = e.c.id == _any_of(select(picked.c.id))
+        chosen = e.c.id == leasing.any_of(select(picked.c.id))
     else:
-        members = select(d.c.id).where(_of_runs(d, run_ids),
-                                        d.c.group_id == _any_of(select(picked.c.group_id)))
-        chosen = and_(e.c.id == _any_of(members), _eligible(e, flow))
+        members = select(d.c.id).where(
+            _of_runs(d, run_ids), d.c.group_id == leasing.any_of(select(picked.c.group_id)))
+        chosen = and_(e.c.id == leasing.any_of(members), _eligible(e, flow))
     leased = (lifecycle.leased(of_runs, chosen, _enough(picked))
               .returning(*STATE_RETURNED).cte("leased"))
     return _with_data(leased, reclaimed, run_ids)
@@ -310,12 +310,6 @@ def _enough(picked):
             >= bindparam("wanted", type_=Integer))
 
 
-def _any_of(query):
-    """`= ANY(ARRAY(query))`: one index scan of each partition for all the picked rows (a join
-    to picked rows of a partitioned table gets a hash join over a seq scan)."""
-    return func.any(func.array(query.scalar_subquery()))
-
-
 def _to_leased(row) -> LeasedExperience:
     return LeasedExperience._make(row[:FIELDS])
 
@@ -330,24 +324,17 @@ def _give_back_statement(where):
 
 
 def _expired(*where):
-    """Rows whose lease expired, oldest expiry first (up to `RECLAIM_LIMIT` a statement).
-
-    Ordering by leased_until steers the planner to the partial index experiences_leased, so
-    the check costs one index probe however many rows are leased and not yet expired.
-    """
-    return e.c.id == _any_of(
-        select(e.c.id)
-        .where(status_in(e.c.status, ["leased"]), e.c.leased_until < func.now(), *where)
-        .order_by(e.c.leased_until).limit(RECLAIM_LIMIT).with_for_update(skip_locked=True))
+    """Rows whose lease expired, oldest expiry first (up to `RECLAIM_LIMIT` a statement): the
+    partial index experiences_leased finds them."""
+    return leasing.expired(e, *where, limit=RECLAIM_LIMIT)
 
 
 # The runs a lease names: `run_id = ANY(...)` lets the server skip other runs' partitions.
 OF_RUNS = e.c.run_id == func.any(bindparam("run_ids", type_=ARRAY(BigInteger)))
-TOKEN = bindparam("token", type_=UUID(as_uuid=True))
 # A lease's rows: its runs, its ids (the primary key finds them: no index has the token,
 # migration 0019) and its token.
 OF_LEASE = and_(OF_RUNS, e.c.id == func.any(bindparam("ids", type_=ARRAY(BigInteger))),
-                e.c.lease_token == TOKEN)
+                leasing.of_token(e))
 # Built once: constructing a statement with CTEs costs SQLAlchemy about a millisecond.
 RECLAIM = _give_back_statement(_expired())
 RELEASE = _give_back_statement(OF_LEASE)
@@ -523,12 +510,26 @@ async def retire(engine: AsyncEngine, run_ids: Sequence[int], flow: SamplerConfi
         return len((await conn.execute(stmt)).all())
 
 
-JOIN = text("""
-UPDATE experience_state SET lease_token = :into, leased_until = LEAST(leased_until, :until)
-WHERE run_id = ANY(:run_ids) AND id = ANY(:ids) AND lease_token = :token
-""").bindparams(bindparam("into", type_=UUID(as_uuid=True)),
-                bindparam("token", type_=UUID(as_uuid=True)),
-                bindparam("ids", type_=ARRAY(BigInteger)))
+# Another lease's rows move under this lease's token (and the earlier expiry).
+JOIN = update(e).where(OF_LEASE).values(
+    lease_token=bindparam("into", type_=UUID(as_uuid=True)),
+    leased_until=func.least(e.c.leased_until, bindparam("until", type_=e.c.leased_until.type)))
+
+
+def _set_aside_statement():
+    """Statement: the lease's rows in :ids leave it retired, each noting :reason in its
+    metadata, and the sampled counter of their runs gives them back."""
+    aside = lifecycle.set_aside(OF_LEASE).cte("aside")
+    note = func.jsonb_build_object(literal_column("'set_aside'"),
+                                   bindparam("reason", type_=Text))
+    noted = (update(d).where(d.c.run_id == aside.c.run_id, d.c.id == aside.c.id)
+             .values(metadata=d.c.metadata.op("||")(note)).returning(d.c.id).cte("noted"))
+    counted = count_sampled((aside, -1))
+    return select(*(select(func.count()).select_from(cte).scalar_subquery()
+                    for cte in (aside, noted, counted))).add_cte(aside, noted, counted)
+
+
+SET_ASIDE = _set_aside_statement()
 
 
 async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUID], *,
@@ -538,7 +539,7 @@ async def set_aside(engine: AsyncEngine, lease: Lease, groups: Sequence[uuid.UUI
     aside = set(groups)
     ids = [row.id for row in lease.rows if row.group_id in aside]
     async with engine.begin() as conn:
-        await conn.execute(lifecycle.SET_ASIDE, {**_of_lease(lease), "ids": ids, "reason": reason})
+        await conn.execute(SET_ASIDE, {**_of_lease(lease), "ids": ids, "reason": reason})
         for run_id in lease.run_ids:  # explorers may make more now: wake them (a hint only)
             await conn.execute(select(func.pg_notify(runs.POLICY_CHANNEL,
                                                      f"{run_id}:set-aside")))
