@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from reservoir.pipeline.decide import _shown
+from reservoir.pipeline.decide import shown as _shown
 from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import parse_pipeline
 from reservoir.store.inspect import run_sql

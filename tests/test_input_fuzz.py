@@ -182,7 +182,7 @@ def bad_pipelines() -> list[str]:
         "source: {limit: 0}\n", "source: {limit: -3}\n", "source: {limit: 1.5}\n",
         "source: {order_by: [nope]}\n", "source: {order_by: [reward; drop]}\n",
         "source: {timeout_s: 0}\n", "source: {timeout_s: .inf}\n", "source: {runs: ['a b']}\n",
-        "source: {table: tasks}\n", "source: {tabel: experiences}\n",
+        "source: {table: runs}\n", "source: {tabel: experiences}\n",
         "output: {status: consumed}\n", "output: {dropped: ready}\n",
         "output: {partial_groups: maybe}\n", "output: {unselected: quarantined}\n",
         "output: {mapped: replace}\n", "mode: forever\n", "schedule: every tuesday\n",

@@ -38,6 +38,16 @@ def make_due(store, minutes: int = 10) -> None:
         conn.execute(text(f"UPDATE schedules SET next_run_at = now() - interval '{minutes} minutes'"))
 
 
+def two_schedulers_once(db_url: str) -> None:
+    """Two `reservoir schedule serve --once` at the same time; both end cleanly."""
+    env = {**os.environ, "RESERVOIR_DB_URL": db_url}
+    servers = [subprocess.Popen([str(RESERVOIR), "schedule", "serve", "--once"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for _ in range(2)]
+    outputs = [server.communicate(timeout=300)[0] for server in servers]
+    assert all(server.returncode == 0 for server in servers), outputs
+
+
 def test_add_checks_cron_and_pipeline(tmp_path, store, pipeline):
     with pytest.raises(ConfigError, match="--cron: 'every day' is not a cron expression"):
         add_schedule(store, pipeline, "every day")
@@ -72,14 +82,33 @@ def test_a_locked_schedule_is_left_to_its_holder_and_runs_once(store, pipeline):
 def test_two_schedulers_run_a_due_pipeline_exactly_once(store, pipeline, db_url):
     add_schedule(store, pipeline, "* * * * *")
     make_due(store, minutes=1)
-    env = {**os.environ, "RESERVOIR_DB_URL": db_url}
-    servers = [subprocess.Popen([str(RESERVOIR), "schedule", "serve", "--once"], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for _ in range(2)]
-    outputs = [server.communicate(timeout=300)[0] for server in servers]
-    assert all(server.returncode == 0 for server in servers), outputs
+    two_schedulers_once(db_url)
     assert one(store, "SELECT count(*) FROM pipeline_runs WHERE schedule_id IS NOT NULL") == (1,)
     assert one(store, "SELECT count(*) FROM experiences WHERE status = 'raw'") == (0,)
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_two_schedulers_run_a_due_task_pipeline_exactly_once(store, tmp_path, db_url):
+    """A pipeline over tasks is scheduled like any other (issue 32): one run per due time,
+    its decisions written once."""
+    from reservoir.store.tasks import add_tasks
+
+    run_id = store.create_run("s", group_size=4)
+    with store.engine.begin() as conn:
+        add_tasks(conn, run_id, [{"prompt": p} for p in ("Add 1 and 2", "add 1 and 2",
+                                                         "Add 3 and 4")])
+    path = tmp_path / "tasks_dedup.yaml"
+    path.write_text("source: {table: tasks, runs: [s]}\n"
+                    "process:\n  - document_deduplicator: {lowercase: true}\n")
+    add_schedule(store, path, "* * * * *")
+    make_due(store, minutes=1)
+    two_schedulers_once(db_url)
+    assert one(store, "SELECT count(*) FROM pipeline_runs WHERE schedule_id IS NOT NULL") == (1,)
+    assert one(store, "SELECT count(*), min(kind) FROM operator_events WHERE task_id IS NOT "
+                      "NULL") == (1, "dropped")
+    assert one(store, "SELECT string_agg(status, ',' ORDER BY id) FROM tasks") == (
+        "active,retired,active",)
 
 
 def test_missed_times_are_counted_not_stacked():

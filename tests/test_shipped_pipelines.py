@@ -9,19 +9,22 @@ from sqlalchemy import text
 
 from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import load_pipeline
+from reservoir.store.tasks import add_tasks
 from tests.factories import make_group
 
 SHIPPED = sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml"))
 
 
-def test_the_six_pipelines_are_shipped():
+def test_the_seven_pipelines_are_shipped():
     assert {p.stem for p in SHIPPED} == {"clean", "dedup", "drop_zero_variance", "prioritise",
-                                         "validate", "curriculum"}
+                                         "validate", "curriculum", "tasks_clean"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_pipeline_runs(path, store):
-    store.create_run("r", group_size=4)
+    run_id = store.create_run("r", group_size=4)
+    with store.engine.begin() as conn:  # tasks, for pipelines that read them
+        add_tasks(conn, run_id, [{"prompt": f"Reverse the word: w{i}"} for i in range(3)])
     store.write_groups([make_group("r", seed=i, rewards=[1, 1, 1, 1] if i == 0 else None)
                         for i in range(4)], status="raw")
     store.write_groups([make_group("r", seed=9)])  # ready rows, for pipelines that read them

@@ -356,6 +356,14 @@ def _reward_range(value: tuple[float, float]) -> tuple[float, float]:
     return check_reward_range(*value)
 
 
+def _band(value: tuple[float, float]) -> tuple[float, float]:
+    low, high = value
+    if not 0 <= low <= high <= 1:
+        raise ValueError(f"[{low:g}, {high:g}]: a band of pass rates is [low, high] with "
+                         "0 <= low <= high <= 1")
+    return value
+
+
 class ExplorerConfig(Section):
     n: Count = count(8, 1, 1024, "responses per task (the group size)")
     reward_range: Annotated[tuple[Number, Number], AfterValidator(_reward_range)] = Field(
@@ -369,11 +377,22 @@ class ExplorerConfig(Section):
     reward: Annotated[str, _registered("reservoir.explorer.rewards", "REWARDS")] = Field(
         default="exact_match", description="the reward function (a task file's `reward` "
         "column overrides it per task): built in or registered by a package")
+    reward_options: dict[str, Annotated[object, BeforeValidator(_option)]] = Field(
+        default_factory=dict, description="options of rewards that take them: llm_judge (url, "
+        "model, rubric, max_score, max_concurrency, timeout_s), reward_model (path, device, "
+        "batch_size), code_exec (timeout_s, memory_mb, cpu_s), math_verify (timeout_s)")
     workflow: Annotated[str, _registered("reservoir.explorer.workflow", "WORKFLOWS")] = Field(
         default="single_turn", description="how a task becomes a group: single_turn, "
         "calculator, guess_number, or one a package registers")
     workflow_options: dict[str, Annotated[object, BeforeValidator(_option)]] = Field(
         default_factory=dict, description="keyword options of the workflow (e.g. max_calls)")
+    task_order: Literal["least_explored", "priority", "difficulty_band"] = Field(
+        default="least_explored", description="the order explorers claim tasks in: "
+        "least_explored first, highest priority first, or difficulty_band (tasks whose pass "
+        "rate lies in pass_rate_band first, unmeasured ones next, the rest last)")
+    pass_rate_band: Annotated[tuple[Number, Number], AfterValidator(_band)] = Field(
+        default=(0.1, 0.9), description="[low, high] pass rates (1 - tasks.difficulty) that "
+        "task_order: difficulty_band claims first")
     workers: Count = count(1, 1, 1024, "explorer workers (Ray actors)")
     claim_seconds: Number = number(300.0, gt=0, le=7 * DAY,
                                    description="a dead worker's tasks are claimed again after this")
@@ -712,8 +731,9 @@ class ReservoirConfig(Section):
         default=None, description="set (`serve: {}` for the defaults) when agents feed the run "
         "through `reservoir serve`: its groups are episodes of any size")
     pipelines: tuple[LocalPath, ...] = Field(
-        default=(), description="stream pipelines a run starts: explorers then write raw rows, "
-        "and only rows a pipeline passes become ready for the trainer")
+        default=(), description="stream pipelines a run starts: with one over experiences, "
+        "explorers write raw rows and only rows a pipeline passes become ready for the "
+        "trainer; one over tasks (a curriculum) passes as rows are written")
 
     @model_validator(mode="after")
     def _pool_fits_a_batch(self) -> ReservoirConfig:

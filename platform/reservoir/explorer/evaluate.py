@@ -21,7 +21,8 @@ def accuracy(engine: Engine, tasks: list[tuple], config: ReservoirConfig) -> flo
     with Batcher(engine, inline=True) as batcher:
         groups = explore(workflow, [Task.of(row) for row in tasks], batcher,
                          Sampling(n=1, temperature=0, max_tokens=explorer.max_tokens),
-                         run=config.run.name, version=0, reward=explorer.reward)
+                         run=config.run.name, version=0, reward=explorer.reward,
+                         reward_options=explorer.reward_options)
     return float(np.mean([row.reward_components.get("accuracy", row.reward)
                           for group in groups for row in group]))
 

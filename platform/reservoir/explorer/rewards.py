@@ -1,7 +1,14 @@
-"""Reward functions: small pure functions of (response, answer) returning named components.
+"""Reward functions: functions of (response, answer) returning named components.
 
 Packages add their own under the entry-point group `reservoir.rewards` (see
-reservoir.registry); a task file's `reward` column names the one that scores each task.
+reservoir.registry); a task file's `reward` column names the one that scores each task. A
+reward that needs more than the answer (the task's prompt and payload, the run's
+`explorer.reward_options`) takes a keyword argument `context` (a `Context`). Built in besides
+the ones below: math_verify (math_reward.py), code_exec (code_reward.py), llm_judge and
+reward_model (judge_reward.py).
+
+A reward that raises is logged in one line and scores 0 with the component `reward_failed`:
+a bad response, a judge that is down or a broken test never stops an explorer.
 
 The reward stored with an experience is the sum of its components; the components are stored
 too (experiences.reward_components), so an analyst can see why a response scored what it did.
@@ -9,8 +16,11 @@ too (experiences.reward_components), so an analyst can see why a response scored
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from reservoir.registry import Registry
 
@@ -19,6 +29,40 @@ RewardFunction = Callable[[str, str], Components]
 REWARDS: Registry = Registry("reward function", group="reservoir.rewards")
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+FAILED = "reward_failed"  # the component of a response whose reward raised
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a reward may read besides the response and the answer."""
+
+    prompt: str = ""
+    payload: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_context(function: Callable) -> bool:
+    try:
+        return "context" in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def bound(name: str, function: Callable, context: Context) -> RewardFunction:
+    """`function` as a reward of (response, answer) for one task: given its context if it
+    takes one, and a failure logged and scored 0 (component reward_failed) instead of raised."""
+    wants = _takes_context(function)
+
+    def reward(response: str, answer: str) -> Components:
+        try:
+            return function(response, answer, context=context) if wants else \
+                function(response, answer)
+        except Exception as exc:  # a reward's failure is the response's score, not a crash
+            print(f"reward {name}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}; "
+                  f"the response scored 0 ({FAILED})", flush=True)
+            return {FAILED: 0.0}
+    return reward
 
 
 def _normalise(text: str) -> str:
@@ -145,3 +189,7 @@ def score(response: str, answer: str, functions: list[RewardFunction]) -> tuple[
                 raise ValueError(f"two reward functions both produce the component {name!r}")
             components[name] = value
     return sum(components.values()), components
+
+
+# The built-in rewards that need more than a regular expression register themselves.
+from reservoir.explorer import code_reward, judge_reward, math_reward  # noqa: E402,F401

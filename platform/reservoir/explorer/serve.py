@@ -48,6 +48,7 @@ from reservoir.explorer.engines import make_engine
 from reservoir.explorer.openai_api import (ApiError, ChatRequest, Limits, bad, completion,
                                            completion_id, episode_of, episode_secret,
                                            finish_reason, parse_chat, parse_feedback, stream)
+from reservoir.plan.streams import written_status
 from reservoir.store import POLICY_CHANNEL, Call, Listener, Store, closing, is_outage, rewarded
 
 RELOAD_POLL_S = 2.0  # look for a new policy this often even without a notification
@@ -166,7 +167,7 @@ class Server:
             raise bad("rewards", f"episode {given.episode!r} has {n} responses; got "
                                  f"{len(rewards)} rewards")
         components = [given.components] * n if given.components else None
-        status = "raw" if self.config.pipelines else "ready"
+        status = written_status(self.config.pipelines)
         written = self.store.write_groups([rewarded(episode.group, rewards, components)],
                                           status=status, before_copy=closing(episode, given.reward))
         return {"episode_id": given.episode, "responses": written.rows, "status": status,

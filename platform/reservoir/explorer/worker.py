@@ -27,7 +27,8 @@ from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.policy import Sampling
 from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.store import (POLICY_CHANNEL, Listener, Pace, Patience, Resumption, Store,
-                             finishing, is_outage)
+                             TaskOrder, finishing, is_outage)
+from reservoir.plan.streams import written_status
 from reservoir.plan.stages import last_step, plan, step_seed
 
 DONE = ("finished", "stopped")  # a failed run waits for its trainer to resume (Resumption)
@@ -132,9 +133,9 @@ class ExplorerWorker:
         groups = explore(self.workflow, [Task.of(row) for row in claimed], batcher,
                          Sampling(explorer.n, explorer.temperature, explorer.max_tokens),
                          run=self.config.run.name, version=self.version,
-                         reward=explorer.reward)
+                         reward=explorer.reward, reward_options=explorer.reward_options)
         try:  # the groups and their tasks' counts commit together, or neither does
-            store.write_groups(groups, status="raw" if self.config.pipelines else "ready",
+            store.write_groups(groups, status=written_status(self.config.pipelines),
                                before_copy=finishing(self.token, [row[0] for row in claimed]))
         except ClaimLost as exc:
             print(f"{self.name}: {exc}", flush=True)
@@ -154,7 +155,9 @@ class ExplorerWorker:
         return store.tasks.claim_within_pace(run_id, pace, loaded=self.version,
                                              most=config.explorer.batch_tasks, token=self.token,
                                              worker=self.name,
-                                             seconds=config.explorer.claim_seconds)
+                                             seconds=config.explorer.claim_seconds,
+                                             order=TaskOrder(config.explorer.task_order,
+                                                             config.explorer.pass_rate_band))
 
     def _load(self, engine: Engine, version: int, location: str | None,
               stats: ExplorerStats) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from reservoir.errors import ConfigError, ReservoirError, WorkflowError
-from reservoir.explorer.rewards import REWARDS, RewardFunction
+from reservoir.explorer.rewards import REWARDS, Context, RewardFunction, bound
 from reservoir.registry import Registry
 from reservoir.store import Experience
 
@@ -99,14 +99,17 @@ def whole_number(name: str, value: Any, low: int, high: int) -> int:
     return value
 
 
-def reward_of(task: Task, default: str) -> RewardFunction:
-    """The reward function a task names (its file's `reward` column), else the run's."""
-    return REWARDS.get(task.payload.get("reward") or default)
+def reward_of(task: Task, default: str,
+              options: dict[str, Any] | None = None) -> RewardFunction:
+    """The reward function a task names (its file's `reward` column), else the run's, bound
+    to the task (its prompt and payload) and the run's reward options."""
+    name = task.payload.get("reward") or default
+    return bound(name, REWARDS.get(name), Context(task.prompt, task.payload, options or {}))
 
 
 def explore(workflow: Workflow, tasks: Sequence[Task], batcher: Batcher,
             sampling: Sampling, *, run: str, version: int,
-            reward: str) -> list[list[Experience]]:
+            reward: str, reward_options: dict[str, Any] | None = None) -> list[list[Experience]]:
     """Each task's group, the tasks run side by side (their generation batched)."""
     from reservoir.explorer.policy import Policy
 
@@ -114,8 +117,8 @@ def explore(workflow: Workflow, tasks: Sequence[Task], batcher: Batcher,
 
     def one(index: int, task: Task) -> list[Experience]:
         try:
-            policy = Policy(batcher, sampling, reward_of(task, reward), run, task.id, version,
-                            order=(index,))
+            policy = Policy(batcher, sampling, reward_of(task, reward, reward_options), run,
+                            task.id, version, order=(index,))
             try:
                 group = workflow(task, policy)
             except ReservoirError:

@@ -8,7 +8,7 @@ from reservoir.errors import ConfigError
 from reservoir.pipeline.bridge import Step, build_steps
 from reservoir.pipeline.spec import PipelineSpec, load_pipeline
 from reservoir.pipeline.validate import check_specs
-from reservoir.store import FIELDS
+from reservoir.store import FIELDS, TASK_FIELDS
 
 # Fields Reservoir's own operators add to rows, and the group size validation computes.
 ADDED_FIELDS = ("task_difficulty", "review_reason", "_group_size", "preferred_over",
@@ -49,4 +49,5 @@ def row_columns(spec: PipelineSpec) -> set[str]:
     operator is told to write (an argument naming a key)."""
     written = {value for _, args in spec.operators for key, value in args.items()
                if isinstance(value, str) and (key.endswith("_key") or key.startswith("target"))}
-    return set(FIELDS) | set(ADDED_FIELDS) | written
+    source = (*TASK_FIELDS, "task_id", "claimed") if spec.on_tasks else FIELDS
+    return set(source) | set(ADDED_FIELDS) | written

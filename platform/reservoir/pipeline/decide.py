@@ -58,7 +58,7 @@ def decide(spec, originals: dict, final: list[dict], trace: Trace, outcomes: lis
            pipeline_run: int,
            reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE) -> Changes:
     changes = Changes()
-    failing = _validation_failures(spec, outcomes, changes)
+    failing = validation_failures(spec, outcomes, changes)
     for row_id, event in trace.dropped.items():
         changes.statuses[row_id] = spec.output.dropped
         changes.events.append(event)
@@ -77,11 +77,11 @@ def decide(spec, originals: dict, final: list[dict], trace: Trace, outcomes: lis
         if spec.output.mapped == "augment" and values.keys() & CONTENT:
             changes.children.append(_child(row, values, spec, pipeline_run, failing, records))
             values = {k: v for k, v in values.items() if k not in CONTENT}
-            records = _only(records, set(TRACKED) - set(CONTENT))
+            records = only(records, set(TRACKED) - set(CONTENT))
         if row_id in seen:
             continue
         seen.add(row_id)
-        changes.events.extend(_change_events(row_id, records))
+        changes.events.extend(change_events(row_id, records))
         status = _status(spec, row, failing, changes)
         if status != originals[row_id]["status"]:
             changes.statuses[row_id] = status
@@ -122,23 +122,23 @@ def _keep_groups_whole(originals: dict, final: list[dict], trace: Trace, failing
     changes.broken_groups = {uuid.UUID(group): reason for group, reason in lost.items()}
 
 
-def _only(records: list[dict], names: set[str]) -> list[dict]:
+def only(records: list[dict], names: set[str]) -> list[dict]:
     kept = [{**r, "fields": {k: v for k, v in r["fields"].items() if k in names}}
             for r in records]
     return [r for r in kept if r["fields"]]
 
 
-def _change_events(row_id: int, records: list[dict]) -> list[dict]:
+def change_events(row_id: int, records: list[dict]) -> list[dict]:
     events = []
     for record in records:
         names = list(record["fields"])
         events.append(Trace.event(
             row_id, record["operator"], "scored" if names == ["priority"] else "changed",
-            f"{record['operator']} set {', '.join(names)}", {"fields": _shown(record["fields"])}))
+            f"{record['operator']} set {', '.join(names)}", {"fields": shown(record["fields"])}))
     return events
 
 
-def _shown(fields: dict[str, tuple]) -> dict[str, dict]:
+def shown(fields: dict[str, tuple]) -> dict[str, dict]:
     """{name: {before, after}} with long texts as their SHA-256 and length."""
     def show(name: str, value):
         if name in JSON_FIELDS and isinstance(value, str):
@@ -154,7 +154,7 @@ def _shown(fields: dict[str, tuple]) -> dict[str, dict]:
 def _changed_values(spec, original: dict, row: dict,
                     reward_range: tuple[float, float]) -> dict[str, Any]:
     values = {name: _stored(name, row[name]) for name in TRACKED
-              if name in row and _differs(original.get(name), row[name])}
+              if name in row and differs(original.get(name), row[name])}
     if "prompt_text" in values:
         raise PipelineFailed(f"experience {row['id']}: an operator changed prompt_text; prompts "
                              "are not rewritten by pipelines (their token ids are the explorer's)")
@@ -182,7 +182,7 @@ def _check_numbers(row_id: int, values: dict[str, Any], reward_range: tuple[floa
                              "finite number; nothing was stored")
 
 
-def _differs(a, b) -> bool:
+def differs(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return False
     return a != b
@@ -211,11 +211,11 @@ def _child(row: dict, values: dict, spec, pipeline_run: int, failing: set[int],
             "status": "quarantined" if row["id"] in failing else spec.output.status,
             **{name: _stored(name, row.get(name)) for name in CONTENT if name != "metadata"},
             "priority": values.get("priority", row.get("priority") or 0.0),
-            "changes": [{"operator": r["operator"], "fields": _shown(r["fields"])}
-                        for r in _only(records, set(CONTENT))]}
+            "changes": [{"operator": r["operator"], "fields": shown(r["fields"])}
+                        for r in only(records, set(CONTENT))]}
 
 
-def _validation_failures(spec, outcomes: list[Outcome], changes: Changes) -> set[int]:
+def validation_failures(spec, outcomes: list[Outcome], changes: Changes) -> set[int]:
     """Store every result; the ids to quarantine (on_failure: quarantine)."""
     on_failure = spec.validate_.on_failure
     failing: set[int] = set()

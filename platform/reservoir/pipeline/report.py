@@ -11,6 +11,7 @@ from rich.table import Table
 from reservoir.pipeline.bridge import PLUGIN_FAILURES, origin, parameters, registry
 from reservoir.pipeline.runner import PipelineResult
 from reservoir.pipeline.spec import PipelineSpec
+from reservoir.store import TaskChanges
 
 
 def show_result(console: Console, spec: PipelineSpec, result: PipelineResult) -> None:
@@ -32,15 +33,30 @@ def show_result(console: Console, spec: PipelineSpec, result: PipelineResult) ->
                            str(outcome.unexpected_count))
         parts.append(checks)
     console.print(Group(*parts))
-    statuses = Counter(result.changes.statuses.values())
-    console.print(f"{verb}: " + (", ".join(f"{n} rows -> {s}" for s, n in statuses.items())
-                                 or "no statuses") +
-                  f"; {len(result.changes.values)} rows' fields; "
-                  f"{len(result.changes.events)} operator events"
-                  + (f"; {result.skipped} rows skipped (changed meanwhile)" if result.skipped else ""))
-    for event in result.changes.events[:5]:
-        console.print(f"  experience {event['experience_id']}: {event['kind']} by "
+    console.print(f"{verb}: {_summary(result)}", highlight=False)
+    for event in _events(result)[:5]:
+        what = "task" if "task_id" in event and event.get("experience_id") is None \
+            else "experience"
+        console.print(f"  {what} {event.get(what + '_id')}: {event['kind']} by "
                       f"{event['operator']}: {event.get('reason')}", highlight=False)
+
+
+def _summary(result: PipelineResult) -> str:
+    changes = result.changes
+    if isinstance(changes, TaskChanges):
+        return (f"{len(changes.retired)} tasks retired, {len(changes.values)} tasks' fields, "
+                f"{len(changes.children)} tasks added; {len(_events(result))} operator events")
+    statuses = Counter(changes.statuses.values())
+    return ((", ".join(f"{n} rows -> {s}" for s, n in statuses.items()) or "no statuses")
+            + f"; {len(changes.values)} rows' fields; {len(changes.events)} operator events"
+            + (f"; {result.skipped} rows skipped (changed meanwhile)" if result.skipped else ""))
+
+
+def _events(result: PipelineResult) -> list[dict]:
+    changes = result.changes
+    if isinstance(changes, TaskChanges):
+        return list(changes.retired.values()) + changes.events
+    return changes.events
 
 
 def operators_table(match: str | None = None) -> Table:

@@ -1,4 +1,5 @@
-"""Running a pipeline: select rows, run the operators, diff, validate, write back at once.
+"""Running a pipeline: select rows (experiences or tasks), run the operators, diff, validate,
+write back at once.
 
 The rows become an in-memory Data-Juicer dataset; operators run one at a time, and after each
 the runner diffs its output against its input: rows a filter dropped (with its stats), rows a
@@ -29,7 +30,9 @@ from reservoir.pipeline.decide import JSON_FIELDS, TRACKED, PipelineFailed, Trac
 from reservoir.pipeline.spec import PipelineSpec
 from reservoir.pipeline.tokens import reencode
 from reservoir.pipeline.validate import Outcome, jsonable, validate
-from reservoir.store import Changes, Source, Store, select_rows
+from reservoir.pipeline.decide_tasks import TRACKED as TASK_TRACKED
+from reservoir.pipeline.decide_tasks import decide_tasks
+from reservoir.store import Changes, Source, Store, TaskChanges, select_rows, select_tasks
 
 __all__ = ["PipelineFailed", "PipelineResult", "run_pipeline"]
 
@@ -40,7 +43,7 @@ class PipelineResult:
     rows_in: int
     rows_out: int
     operators: list[dict[str, Any]]
-    changes: Changes
+    changes: Changes | TaskChanges
     validations: list[Outcome]
     dry_run: bool = False
     skipped: int = 0  # rows another writer changed between reading and writing back
@@ -75,11 +78,18 @@ def run_pipeline(store: Store, spec: PipelineSpec, *, runs: list[str] | None = N
                                  f"(pipeline run {pipeline_run}): {_describe(exc)}") from exc
 
 
-def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
+def _source(spec, run_ids) -> Source:
     source = spec.source
-    rows = select_rows(store.url, Source(
-        run_ids=run_ids, statuses=source.status, where=source.where, params=source.params,
-        order_by=source.order_by, limit=source.limit, timeout_s=source.timeout_s))
+    return Source(run_ids=run_ids, statuses=source.status, where=source.where,
+                  params=source.params, order_by=source.order_by, limit=source.limit,
+                  timeout_s=source.timeout_s)
+
+
+def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
+    if spec.on_tasks:
+        return _run_on_tasks(store, spec, steps, run_ids, pipeline_run, started, dry_run,
+                             progress)
+    rows = select_rows(store.url, _source(spec, run_ids))
     progress(f"{len(rows)} rows selected")
     originals = {row["id"]: _to_dataset_row(row) for row in rows}
     from reservoir.operators.preferences import marked_pairs  # after build_steps, as below
@@ -90,13 +100,9 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
     outcomes = validate(pd.DataFrame(final), spec.validate_.expectations) if final else []
     changes = decide(spec, originals, final, trace, outcomes, pipeline_run,
                      store.aio.reward_range)
-    result = PipelineResult(pipeline_run, len(rows), len(final), trace.operators, changes,
-                            outcomes, dry_run=dry_run)
-    counts = dict(rows_in=len(rows), rows_out=len(final), rows_dropped=len(rows) - len(final),
-                  operators=trace.operators)
+    result, counts = _result(store, pipeline_run, rows, final, trace, changes, outcomes,
+                             started, dry_run)
     if dry_run:
-        store.pipelines.finish_run(pipeline_run, status="dry_run",
-                                   duration_s=time.monotonic() - started, **counts)
         return result
 
     def settle():  # after the rows changed meanwhile are left out: their pairs go too
@@ -109,6 +115,37 @@ def _run(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
     return result
 
 
+def _run_on_tasks(store, spec, steps, run_ids, pipeline_run, started, dry_run, progress):
+    """A pipeline over tasks: the same operators, validation and events; the decisions are
+    tasks' (decide_tasks) and are written with store.pipelines.write_back_tasks."""
+    rows = select_tasks(store.url, _source(spec, run_ids))
+    progress(f"{len(rows)} tasks selected")
+    originals = {row["id"]: _to_dataset_row(row) for row in rows}
+    from reservoir.operators.store_ops import using  # after build_steps: Data-Juicer imported quietly
+
+    with using(store):
+        final, trace = _process(list(originals.values()), steps, progress, TASK_TRACKED)
+    outcomes = validate(pd.DataFrame(final), spec.validate_.expectations) if final else []
+    changes = decide_tasks(spec, originals, final, trace, outcomes)
+    result, counts = _result(store, pipeline_run, rows, final, trace, changes, outcomes,
+                             started, dry_run)
+    if not dry_run:
+        store.pipelines.write_back_tasks(pipeline_run, changes, started=started, **counts)
+    return result
+
+
+def _result(store, pipeline_run, rows, final, trace, changes, outcomes, started, dry_run):
+    """The result and its counts; a dry run's pipeline_runs row is finished here."""
+    result = PipelineResult(pipeline_run, len(rows), len(final), trace.operators, changes,
+                            outcomes, dry_run=dry_run)
+    counts = dict(rows_in=len(rows), rows_out=len(final), rows_dropped=len(rows) - len(final),
+                  operators=trace.operators)
+    if dry_run:
+        store.pipelines.finish_run(pipeline_run, status="dry_run",
+                                   duration_s=time.monotonic() - started, **counts)
+    return result, counts
+
+
 def _to_dataset_row(row: dict[str, Any]) -> dict[str, Any]:
     out = dict(row)
     for key, value in row.items():
@@ -119,11 +156,12 @@ def _to_dataset_row(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _process(rows: list[dict], steps: list[Step], progress) -> tuple[list[dict], Trace]:
+def _process(rows: list[dict], steps: list[Step], progress,
+             fields: tuple[str, ...] = TRACKED) -> tuple[list[dict], Trace]:
     """Run the steps; returns the rows left (without Data-Juicer's columns) and the trace.
-    Between steps only the id and tracked columns are read back, not whole rows."""
+    Between steps only the id and tracked `fields` are read back, not whole rows."""
     trace = Trace()
-    tracked = {row["id"]: {k: row[k] for k in TRACKED if k in row} for row in rows}
+    tracked = {row["id"]: {k: row[k] for k in fields if k in row} for row in rows}
     ids = [row["id"] for row in rows]
     data = dataset(rows) if rows else None
     for step in steps:
@@ -134,7 +172,7 @@ def _process(rows: list[dict], steps: list[Step], progress) -> tuple[list[dict],
             after = list(data["id"])
             _record_removals(step, before, ids, after, detail, trace)
             if step.kind == "mapper":  # the others keep, drop or pick rows, never edit them
-                _record_changes(step, data, after, tracked, trace)
+                _record_changes(step, data, after, tracked, trace, fields)
         else:
             after = []
         trace.operators.append({"operator": step.name, "in": len(ids), "out": len(after),
@@ -188,8 +226,9 @@ def _reason(step: Step, stats: dict) -> str:
     return f"{step.name}: outside its limits ({shown})" if shown else f"{step.name} removed it"
 
 
-def _record_changes(step: Step, data, after: list[int], tracked: dict, trace: Trace) -> None:
-    columns = {name: list(data[name]) for name in TRACKED if name in data.column_names}
+def _record_changes(step: Step, data, after: list[int], tracked: dict, trace: Trace,
+                    fields: tuple[str, ...]) -> None:
+    columns = {name: list(data[name]) for name in fields if name in data.column_names}
     for position, row_id in enumerate(after):
         current = tracked.get(row_id)
         if current is None:

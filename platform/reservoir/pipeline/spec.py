@@ -2,10 +2,12 @@
 
     name: clean                      # default: the file's name
     source:
-      table: experiences             # the rows a pipeline reads and decides about
+      table: experiences             # the rows a pipeline reads and decides about: experiences
+                                     # or tasks (text_key prompt; dropped tasks retire)
       runs: [reverse-grpo]           # or `all`; `--run` on the command line overrides; a
                                      # pipeline that names none runs only with --run
-      status: [raw]                  # raw, ready or quarantined (never leased or consumed)
+      status: [raw]                  # raw, ready or quarantined (never leased or consumed);
+                                     # tasks: active
       where: "reward >= :floor"      # one boolean expression; runs alone, read-only, bound
       params: {floor: 0}
       order_by: [created_at, id]
@@ -41,43 +43,60 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
-                      field_validator)
+                      field_validator, model_validator)
 
 from reservoir.config import RunName, describe_errors, expression
 from reservoir.errors import ConfigError
 from reservoir.yamlfile import read_yaml
-from reservoir.store import ORDERABLE
+from reservoir.store import ORDERABLE, TASK_ORDERABLE
 
 
 class Part(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+TABLE_STATUSES = {"experiences": ("raw", "ready", "quarantined"), "tasks": ("active",)}
+
+
 class Source(Part):
-    table: Literal["experiences"] = "experiences"
+    table: Literal["experiences", "tasks"] = "experiences"
     runs: tuple[RunName, ...] | Literal["all"] = ()
-    status: tuple[Literal["raw", "ready", "quarantined"], ...] = ("raw",)
+    status: tuple[Literal["raw", "ready", "quarantined", "active"], ...] = ("raw",)
     where: Annotated[str | None, AfterValidator(expression)] = None
     params: dict[str, Any] = Field(default_factory=dict)
     order_by: tuple[str, ...] = ("created_at", "id")
     limit: int | None = Field(default=None, ge=1, le=10_000_000, strict=True)
     timeout_s: float = Field(default=60.0, gt=0, le=86_400, allow_inf_nan=False)
 
-    @field_validator("order_by")
+    @model_validator(mode="before")
     @classmethod
-    def _known_columns(cls, value: tuple[str, ...], info) -> tuple[str, ...]:
-        unknown = [column for column in value if column.removeprefix("-") not in ORDERABLE]
-        if unknown:
-            raise ValueError(f"unknown column {unknown[0]!r}; order by one of "
-                             f"{', '.join(sorted(ORDERABLE))} (prefix - for descending)")
+    def _table_defaults(cls, value):
+        """A task source reads active tasks unless it says otherwise."""
+        if isinstance(value, dict) and value.get("table") == "tasks" and "status" not in value:
+            return {**value, "status": ("active",)}
         return value
 
     @field_validator("status")
     @classmethod
     def _some_status(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
-            raise ValueError("name at least one status to read (raw, ready or quarantined)")
+            raise ValueError("name at least one status to read (raw, ready or quarantined; "
+                             "active for tasks)")
         return value
+
+    @model_validator(mode="after")
+    def _of_the_table(self) -> "Source":
+        allowed = TABLE_STATUSES[self.table]
+        wrong = [status for status in self.status if status not in allowed]
+        if wrong:
+            raise ValueError(f"status {wrong[0]!r}: a pipeline reads {self.table} that are "
+                             f"{' or '.join(allowed)}")
+        orderable = ORDERABLE if self.table == "experiences" else TASK_ORDERABLE
+        unknown = [column for column in self.order_by if column.removeprefix("-") not in orderable]
+        if unknown:
+            raise ValueError(f"order_by: unknown column {unknown[0]!r} of {self.table}; order "
+                             f"by one of {', '.join(sorted(orderable))} (prefix - for descending)")
+        return self
 
 
 class Validate(Part):
@@ -98,7 +117,7 @@ class PipelineSpec(Part):
     name: RunName
     description: str = ""
     source: Source = Source()
-    text_key: str = "response_text"
+    text_key: str = "response_text"  # "prompt" on tasks
     process: tuple[dict[str, dict[str, Any] | None], ...] = ()
     validate_: Validate = Field(default=Validate(), alias="validate")
     output: Output = Output()
@@ -106,6 +125,35 @@ class PipelineSpec(Part):
     mode: Literal["once", "stream"] = "once"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_defaults(cls, value):
+        """Text operators of a task pipeline read the prompt unless it says otherwise."""
+        source = value.get("source") if isinstance(value, dict) else None
+        if isinstance(source, dict) and source.get("table") == "tasks" and \
+                "text_key" not in value:
+            return {**value, "text_key": "prompt"}
+        return value
+
+    @model_validator(mode="after")
+    def _output_of_the_table(self) -> "PipelineSpec":
+        """A task is active or retired: a dropped task retires, and no output may ask for
+        another status."""
+        if self.source.table != "tasks":
+            return self
+        given = self.output.model_fields_set
+        if "dropped" in given and self.output.dropped != "retired":
+            raise ValueError("output.dropped: a task a pipeline drops is retired (tasks are "
+                             "never quarantined)")
+        if "status" in given:
+            raise ValueError("output.status: tasks that pass stay active; a task pipeline sets "
+                             "no status")
+        return self
+
+    @property
+    def on_tasks(self) -> bool:
+        return self.source.table == "tasks"
 
     @field_validator("schedule")
     @classmethod

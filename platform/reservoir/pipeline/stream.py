@@ -1,5 +1,6 @@
 """A pipeline as a worker (`mode: stream`): new raw rows become ready, or quarantined, as they
-arrive. `reservoir run` starts one per pipeline its config names; `reservoir pipeline run` runs
+arrive; a stream over tasks passes each time rows were written to its runs (a curriculum
+updated as the run explores). `reservoir run` starts one per pipeline its config names; `reservoir pipeline run` runs
 one until Ctrl-C.
 
 Each pass is an ordinary pipeline run (one transaction, a pipeline_runs row with trigger
@@ -51,8 +52,13 @@ class PipelineWorker:
     def __init__(self, config: ReservoirConfig, path: Path, runs: list[str] | None = None):
         self.config, self.path = config, Path(path)
         self.runs = runs
-        self.stats = StreamStats(stream_spec(self.path).name)
+        spec = stream_spec(self.path)
+        if spec.on_tasks and spec.source.runs == "all" and not runs:
+            raise ConfigError(f"{path}: a stream over tasks names its runs (source.runs or "
+                              "--run): it passes when rows are written to them")
+        self.stats = StreamStats(spec.name)
         self._stop = threading.Event()
+        self._written = 0  # rows written to its runs when a stream over tasks last passed
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -89,6 +95,15 @@ class PipelineWorker:
         self._pass(store, spec, runs, run_ids, self.stats)
         return self.stats
 
+    def _new_tasks_data(self, store: Store, runs: list[str]) -> bool:
+        """A stream over tasks passes once rows were written to its runs since its last pass
+        (each pass reads the tasks its source selects: pass rates, difficulty, priority)."""
+        written = sum(store.runs.snapshot(name)["rows_inserted"] for name in runs)
+        if written == self._written:
+            return False
+        self._written = written
+        return True
+
     def _run_ids(self, store: Store, spec: PipelineSpec, runs: list[str]) -> list[int]:
         """The runs' ids, once each exists (waiting up to run.resume_wait_s, saying so)."""
         limit, waited = self.config.run.resume_wait_s, 0.0
@@ -112,7 +127,8 @@ class PipelineWorker:
               stats: StreamStats) -> tuple[str, bool]:
         """('ended': its runs ended and nothing is left, 'idle': nothing to do, or 'ran'),
         and whether one of its runs is failed (its trainer may resume)."""
-        pending = store.pipelines.has_rows(run_ids, spec.source.status)
+        pending = self._new_tasks_data(store, runs) if spec.on_tasks else \
+            store.pipelines.has_rows(run_ids, spec.source.status)
         statuses = [store.runs.status_of(r) for r in run_ids]
         failed = "failed" in statuses
         if not pending:

@@ -21,11 +21,13 @@ _EXPORTS = {
     "Call": "episodes", "as_group": "episodes", "closing": "episodes", "rewarded": "episodes",
     # what a pipeline or a stored-data stage reads
     "Source": "source", "select_rows": "source", "FIELDS": "source", "ORDERABLE": "source",
+    "TASK_ORDERABLE": "source", "TASK_FIELDS": "source", "select_tasks": "source",
     "TRAINABLE_STATUSES": "source", "Changes": "pipelines", "HISTORY_COLUMNS": "pipelines",
     # pace, notifications and patience with the database
     "Pace": "pace", "Listener": "notify", "rows_channel": "notify", "POLICY_CHANNEL": "runs",
     "Patience": "retry", "Resumption": "retry", "describe_outage": "retry",
-    "is_outage": "retry", "finishing": "tasks",
+    "is_outage": "retry", "finishing": "tasks", "TaskOrder": "tasks",
+    "TaskChanges": "tasks",
     # SQL a person typed, and what the CLI shows
     "run_sql": "inspect", "run_summary": "inspect", "experience_detail": "inspect",
     "DEMO_RUNS": "inspect", "DEMO_STEPS": "inspect", "DEMO_TRAINED": "inspect",

@@ -27,6 +27,8 @@ from reservoir.store.ledger import finite
 from reservoir.store.notify import ROWS_CHANNEL
 from reservoir.store.preferences import Pair, insert_pairs
 from reservoir.store.runs import add_inserted
+from reservoir.store.tasks import TaskChanges
+from reservoir.store.tasks import apply_changes as apply_task_changes
 from reservoir.plan.urls import scrub
 from reservoir.store.schema import experience_state as state
 from reservoir.store.schema import (experiences, operator_events, pipeline_runs, reviews, runs, tasks,
@@ -136,6 +138,23 @@ def write_back(conn: Connection, pipeline_run_id: int, changes: Changes, read: d
     finish_run(conn, pipeline_run_id, status="succeeded",
                duration_s=time.monotonic() - started, **counts)
     return skipped
+
+
+def write_back_tasks(conn: Connection, pipeline_run_id: int, changes: TaskChanges, *,
+                     started: float, **counts) -> None:
+    """Everything a task pipeline run writes (tasks.apply_changes: retirements, rewrites or
+    new versions, children, priorities and difficulties), its events and validations,
+    committed together with its pipeline_runs row marked succeeded."""
+    events = apply_task_changes(conn, changes)
+    if events:
+        conn.execute(insert(operator_events), [
+            {**event, "pipeline_run_id": pipeline_run_id, "stats": finite(event["stats"])}
+            for event in events])
+    if changes.validations:
+        conn.execute(insert(validations), [
+            {**row, "pipeline_run_id": pipeline_run_id} for row in changes.validations])
+    finish_run(conn, pipeline_run_id, status="succeeded",
+               duration_s=time.monotonic() - started, **counts)
 
 
 def _pair_added(pair: Pair, preference_id: int) -> dict[str, Any]:
@@ -342,6 +361,7 @@ class Pipelines(Door):
     history = reading(history)
     finish_run = writing(finish_run)
     write_back = writing(write_back)
+    write_back_tasks = writing(write_back_tasks)
 
     @contextlib.contextmanager
     def running(self, **start) -> Iterator[int]:

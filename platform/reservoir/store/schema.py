@@ -84,16 +84,29 @@ tasks = Table(
     Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("source", Text),
     Column("split", Text, nullable=False, server_default="train"),
-    Column("difficulty", Float),
+    Column("difficulty", Float, comment="1 - the pass rate of its experiences "
+           "(task_difficulty_mapper), in [0, 1]; NULL while unmeasured."),
     Column("priority", Float, nullable=False, server_default="0"),
     Column("times_explored", Integer, nullable=False, server_default="0"),
     Column("claim_token", UUID(as_uuid=True)),
     Column("claimed_by", Text),
     Column("claimed_until", DateTime(timezone=True)),
     _now(),
+    Column("status", Text, nullable=False, server_default="active",
+           comment="active (explorers claim it) or retired (a task pipeline dropped or replaced "
+                   "it: never claimed again, never deleted)."),
+    Column("parent_id", BigInteger, ForeignKey("tasks.id", ondelete="SET NULL")),
+    Column("metadata", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Index("tasks_run_split", "run_id", "split"),
-    Index("tasks_claim_order", "run_id", "split", "times_explored", "id"),
-    Index("tasks_claimed", "run_id", "claimed_until", postgresql_where=text("claim_token IS NOT NULL")),
+    Index("tasks_claim_order", "run_id", "split", "times_explored", "id",
+          postgresql_where=text("status = 'active'")),
+    Index("tasks_claim_priority", "run_id", "split", text("priority DESC"), "times_explored",
+          "id", postgresql_where=text("status = 'active'")),
+    Index("tasks_claim_difficulty", "run_id", "split", "difficulty", "times_explored", "id",
+          postgresql_where=text("status = 'active'")),
+    Index("tasks_claimed", "run_id", "claimed_until",
+          postgresql_where=text("claim_token IS NOT NULL")),
+    Index("tasks_parent", "parent_id", postgresql_where=text("parent_id IS NOT NULL")),
 )
 
 policy_versions = Table(

@@ -11,10 +11,12 @@ explored first.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable
 
-from sqlalchemy import Connection, func, insert, literal, or_, select, update
+from sqlalchemy import (Connection, func, insert, literal, literal_column, or_, select, union_all,
+                        update)
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from reservoir.store.door import Door, reading, writing
@@ -47,20 +49,58 @@ def copy_tasks(conn: Connection, source_run_id: int, run_id: int) -> int:
     return conn.execute(insert(tasks).from_select(["run_id", *COPIED], chosen)).rowcount
 
 
+@dataclass(frozen=True)
+class TaskOrder:
+    """The order explorers claim a run's active train tasks in (explorer.task_order).
+
+    least_explored: fewest explorations first. priority: highest priority first (then least
+    explored). difficulty_band: tasks whose pass rate (1 - difficulty) lies in `band` first,
+    unmeasured ones (no difficulty yet) next, the rest last; least explored first within each.
+    Each part is read through an index on active tasks (tasks_claim_*).
+    """
+
+    kind: str = "least_explored"
+    band: tuple[float, float] = (0.1, 0.9)
+
+
+def _claimable(run_id: int, *where):
+    free = or_(tasks.c.claim_token.is_(None), tasks.c.claimed_until < func.now())
+    return (select(tasks.c.id).where(tasks.c.run_id == run_id, tasks.c.split == "train",
+                                     tasks.c.status == literal_column("'active'"), free, *where))
+
+
+def _picked(run_id: int, want: int, order: TaskOrder):
+    """Select: the ids of up to `want` claimable tasks in the order, locked, skipping tasks
+    another claim holds."""
+    least = (tasks.c.times_explored, tasks.c.id)
+    if order.kind == "least_explored":
+        return _claimable(run_id).order_by(*least).limit(want).with_for_update(skip_locked=True)
+    if order.kind == "priority":
+        return (_claimable(run_id).order_by(tasks.c.priority.desc(), *least).limit(want)
+                .with_for_update(skip_locked=True))
+    low, high = 1 - order.band[1], 1 - order.band[0]  # a pass rate band as difficulties
+    parts = [_claimable(run_id, tasks.c.difficulty.between(low, high)),
+             _claimable(run_id, tasks.c.difficulty.is_(None)),
+             _claimable(run_id, or_(tasks.c.difficulty < low, tasks.c.difficulty > high))]
+    ranked = union_all(*(part.add_columns(literal(rank).label("part"), *least)
+                         .order_by(*least).limit(want).subquery().select()
+                         for rank, part in enumerate(parts))).subquery("ranked")
+    chosen = select(ranked.c.id).order_by(ranked.c.part, ranked.c.times_explored,
+                                          ranked.c.id).limit(want)
+    return (select(tasks.c.id).where(tasks.c.id.in_(chosen))
+            .with_for_update(skip_locked=True))
+
+
 def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, worker: str,
-                seconds: float) -> list[Claimed]:
-    """Claim up to `want` unclaimed (or expired) train tasks, least explored first.
+                seconds: float, order: TaskOrder = TaskOrder()) -> list[Claimed]:
+    """Claim up to `want` unclaimed (or expired) active train tasks in `order`.
 
     Explorers first read their budget with `pace.claim_budget` in the same transaction: it
     holds the run's row lock, so concurrent workers cannot overshoot it.
     """
     if want <= 0:
         return []
-    free = or_(tasks.c.claim_token.is_(None), tasks.c.claimed_until < func.now())
-    picked = (select(tasks.c.id)
-              .where(tasks.c.run_id == run_id, tasks.c.split == "train", free)
-              .order_by(tasks.c.times_explored, tasks.c.id).limit(want)
-              .with_for_update(skip_locked=True).cte("picked"))
+    picked = _picked(run_id, want, order).cte("picked")
     stmt = (update(tasks).where(tasks.c.id == picked.c.id)
             .values(claim_token=token, claimed_by=worker,
                     claimed_until=func.now() + timedelta(seconds=seconds))
@@ -69,8 +109,8 @@ def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, w
 
 
 def claim_within_pace(conn: Connection, run_id: int, pace: Pace, *, loaded: int | None,
-                      most: int, token: uuid.UUID, worker: str,
-                      seconds: float) -> list[Claimed] | None:
+                      most: int, token: uuid.UUID, worker: str, seconds: float,
+                      order: TaskOrder = TaskOrder()) -> list[Claimed] | None:
     """Claim up to `most` tasks within the run's claim budget (`pace.claim_budget`), only if
     the latest published version is `loaded`, the one the worker holds: None (nothing
     claimed) when a newer one appeared. The budget's run-row lock and the claims commit
@@ -79,7 +119,7 @@ def claim_within_pace(conn: Connection, run_id: int, pace: Pace, *, loaded: int 
     if version != loaded:
         return None
     return claim_tasks(conn, run_id, min(budget, most), token=token, worker=worker,
-                       seconds=seconds)
+                       seconds=seconds, order=order)
 
 
 def finishing(token: uuid.UUID, task_ids: list[int]):
@@ -116,7 +156,8 @@ def release_run_claims(conn: Connection, run_id: int) -> int:
 
 def split_tasks(conn: Connection, run_id: int, split: str) -> list[Claimed]:
     stmt = (select(tasks.c.id, tasks.c.prompt, tasks.c.answer, tasks.c.payload)
-            .where(tasks.c.run_id == run_id, tasks.c.split == split).order_by(tasks.c.id))
+            .where(tasks.c.run_id == run_id, tasks.c.split == split,
+                   tasks.c.status == "active").order_by(tasks.c.id))
     return [tuple(row) for row in conn.execute(stmt)]
 
 
@@ -139,6 +180,109 @@ def mark_sft_tasks(conn: Connection, run_id: int, fraction: float) -> list[Claim
     seen = sft_tasks(conn, run_id, fraction)
     mark_explored(conn, [task_id for task_id, *_ in seen])
     return seen
+
+
+# -- what a task pipeline decides ------------------------------------------------------------
+
+CONTENT = ("prompt", "answer")  # what an explorer saw: rewritten, a used task gets a new version
+KEPT = ("run_id", "answer", "payload", "source", "split", "priority")  # a new task's, from its parent
+
+
+@dataclass
+class TaskChanges:
+    """Everything a task pipeline run writes back: tasks retired (dropped, not picked, failed
+    validation), values changed (prompt, answer, priority, difficulty, metadata), augmented
+    children ({parent, prompt, answer?, metadata?}), and the events of changes and scores
+    (each with its task_id)."""
+
+    retired: dict[int, dict[str, Any]] = field(default_factory=dict)   # id -> its event
+    values: dict[int, dict[str, Any]] = field(default_factory=dict)
+    children: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    validations: list[dict[str, Any]] = field(default_factory=list)
+
+
+def apply_changes(conn: Connection, changes: TaskChanges) -> list[dict[str, Any]]:
+    """Write a task pipeline's decisions (in the caller's transaction); returns every event,
+    those of the versions and children it made included.
+
+    The tasks it touches are locked first. A task an explorer holds now (an unexpired claim) or
+    has explored keeps what the explorer saw: a rewrite of its prompt or answer becomes a new
+    task (parent_id, metadata.version_of), and the old one retires. An idle task is updated in
+    place. A task already retired stays as it is.
+    """
+    events = list(changes.events)
+    touched = sorted(set(changes.values) | set(changes.retired))
+    current = {row.id: row for row in conn.execute(
+        select(tasks, (tasks.c.claim_token.is_not(None)
+                       & (tasks.c.claimed_until > func.now())).label("claimed"))
+        .where(tasks.c.id.in_(touched)).with_for_update(of=tasks)).all()}
+    versions = []
+    for task_id, values in changes.values.items():
+        row = current.get(task_id)
+        if row is None or row.status != "active":
+            continue
+        content = {k: v for k, v in values.items() if k in CONTENT}
+        if content and (row.claimed or row.times_explored > 0):
+            versions.append((row, values))
+            values = {k: v for k, v in values.items() if k not in CONTENT}
+        if values:
+            conn.execute(update(tasks).where(tasks.c.id == task_id).values(**values))
+    retiring = {i: e for i, e in changes.retired.items()
+                if i in current and current[i].status == "active"}
+    replaced = _versions(conn, versions)
+    retiring.update({old: event for old, event, _ in replaced})
+    added = [event for _, _, event in replaced] + _children(conn, changes.children, current)
+    if retiring:
+        conn.execute(update(tasks).where(tasks.c.id.in_(list(retiring)))
+                     .values(status="retired", claim_token=None, claimed_by=None,
+                             claimed_until=None))
+    return events + [retiring[i] for i in sorted(retiring)] + added
+
+
+def _versions(conn: Connection, versions: list) -> list[tuple[int, dict, dict]]:
+    """New tasks holding rewrites of used tasks; (old id, its retirement event, the new task's
+    added event) each."""
+    made = []
+    for row, values in versions:
+        new_id = _insert(conn, row, {k: v for k, v in values.items() if k in CONTENT},
+                         {"version_of": row.id})
+        why = "claimed by an explorer" if row.claimed else f"explored {row.times_explored} times"
+        made.append((row.id, _event(row.id, "output", "retired",
+                                    f"replaced by task {new_id}: a rewrite of a task {why} is a "
+                                    "new version", {"replaced_by": new_id}),
+                     _event(new_id, "output", "added", f"new version of task {row.id}",
+                            {"version_of": row.id, "fields": sorted(values)})))
+    return made
+
+
+def _children(conn: Connection, children: list[dict], current: dict) -> list[dict]:
+    """Augmented tasks, each a copy of its parent with the rewrite (split inherited); their
+    added events."""
+    parents = {row.id: row for row in conn.execute(select(tasks).where(
+        tasks.c.id.in_(sorted({c["parent"] for c in children} - set(current))))).all()}
+    parents.update(current)
+    made = []
+    for child in children:
+        parent = parents[child["parent"]]
+        new_id = _insert(conn, parent, {k: child[k] for k in CONTENT if k in child},
+                         {**child.get("metadata", {}), "augmented_from": parent.id})
+        made.append(_event(new_id, "output", "added", f"augmented copy of task {parent.id}",
+                           {"parent": parent.id, "changes": child.get("changes", [])}))
+    return made
+
+
+def _insert(conn: Connection, parent, content: dict, noted: dict) -> int:
+    values = {name: getattr(parent, name) for name in KEPT}
+    values.update(prompt=parent.prompt, parent_id=parent.id,
+                  metadata={**(parent.metadata or {}), **noted})
+    values.update(content)
+    return conn.execute(insert(tasks).values(**values).returning(tasks.c.id)).scalar_one()
+
+
+def _event(task_id: int, operator: str, kind: str, reason: str, stats: dict) -> dict:
+    return {"task_id": task_id, "operator": operator, "kind": kind, "reason": reason,
+            "stats": stats}
 
 
 class Tasks(Door):

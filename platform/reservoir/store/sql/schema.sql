@@ -1,4 +1,4 @@
--- Reservoir's database as the migrations leave it (migrations/versions, head 0026), in one file
+-- Reservoir's database as the migrations leave it (migrations/versions, head 0027), in one file
 -- for a person learning it: every table, index, function, trigger, view and grant, by family.
 --
 -- When you add a migration, update this file; tests/test_schema.py checks they agree (it builds
@@ -65,11 +65,30 @@ CREATE TABLE tasks (
     created_at timestamptz NOT NULL DEFAULT now(),
     claim_token uuid,
     claimed_by text,
-    claimed_until timestamptz
+    claimed_until timestamptz,
+    status text NOT NULL DEFAULT 'active',
+    parent_id bigint REFERENCES tasks (id) ON DELETE SET NULL,
+    metadata jsonb NOT NULL DEFAULT '{}'::jsonb,
+    CONSTRAINT tasks_status_valid CHECK (status IN ('active', 'retired')),
+    CONSTRAINT tasks_difficulty_range
+        CHECK (difficulty IS NULL OR (difficulty >= 0 AND difficulty <= 1)),
+    CONSTRAINT tasks_priority_finite
+        CHECK (priority <> 'NaN' AND priority > '-Infinity' AND priority < 'Infinity')
 );
 CREATE INDEX tasks_run_split ON tasks (run_id, split);
-CREATE INDEX tasks_claim_order ON tasks (run_id, split, times_explored, id);
+-- the three claim orders (explorer.task_order), each an index on active tasks
+CREATE INDEX tasks_claim_order ON tasks (run_id, split, times_explored, id)
+    WHERE status = 'active';
+CREATE INDEX tasks_claim_priority ON tasks (run_id, split, priority DESC, times_explored, id)
+    WHERE status = 'active';
+CREATE INDEX tasks_claim_difficulty ON tasks (run_id, split, difficulty, times_explored, id)
+    WHERE status = 'active';
 CREATE INDEX tasks_claimed ON tasks (run_id, claimed_until) WHERE claim_token IS NOT NULL;
+CREATE INDEX tasks_parent ON tasks (parent_id) WHERE parent_id IS NOT NULL;
+COMMENT ON COLUMN tasks.status IS
+  'active (explorers claim it) or retired (a task pipeline dropped or replaced it: never claimed again, never deleted).';
+COMMENT ON COLUMN tasks.difficulty IS
+  '1 - the pass rate of its experiences (task_difficulty_mapper), in [0, 1]; NULL while unmeasured.';
 
 
 -- ============================================================================================
@@ -948,10 +967,11 @@ COMMENT ON VIEW analytics.runs IS
 
 CREATE VIEW analytics.tasks AS
 SELECT t.id AS task_id, r.name AS run, t.split, t.prompt, t.answer, t.source, t.payload,
-       t.difficulty, t.priority, t.times_explored, t.claimed_by, t.claimed_until, t.created_at
+       t.difficulty, t.priority, t.times_explored, t.claimed_by, t.claimed_until, t.created_at,
+       t.status, t.parent_id, t.metadata
 FROM public.tasks t JOIN public.runs r ON r.id = t.run_id;
 COMMENT ON VIEW analytics.tasks IS
-  'One row per task: split, prompt and answer, difficulty and priority, times explored, claim.';
+  'One row per task: split, prompt and answer, difficulty and priority, times explored, claim, status and the task it was made from.';
 
 CREATE VIEW analytics.policy_versions AS
 SELECT r.name AS run, p.version AS policy_version, p.location, p.train_step AS step,
@@ -973,8 +993,8 @@ SELECT o.id AS event_id, p.pipeline, o.pipeline_run_id, r.name AS run, o.experie
        o.task_id, o.operator, o.kind, o.reason, o.stats, o.created_at
 FROM public.operator_events o
 JOIN public.pipeline_runs p ON p.id = o.pipeline_run_id
-LEFT JOIN public.experiences e ON e.id = o.experience_id
-LEFT JOIN public.runs r ON r.id = e.run_id;
+LEFT JOIN public.tasks t ON t.id = o.task_id AND o.experience_id IS NULL
+LEFT JOIN public.runs r ON r.id = coalesce(o.run_id, t.run_id);
 COMMENT ON VIEW analytics.operator_events IS
   'Every decision a pipeline stored about a row: which operator, what kind, why, its stats.';
 
