@@ -13,7 +13,7 @@ from reservoir.cli_common import (ConfigOption, WideOption, _config, _open, cons
 from reservoir.cli_db import db_app
 from reservoir.cli_pipelines import pipeline_app, review_app, schedule_app
 from reservoir.cli_runs import runs_app
-from reservoir.errors import ReservoirError
+from reservoir.errors import ConfigError, ReservoirError
 
 MAX_ROWS = 10_000  # rows `reservoir sql` shows as a table or JSON unless --max-rows says
 app = typer.Typer(help="Reservoir: reinforcement fine-tuning around a PostgreSQL experience store.",
@@ -261,21 +261,46 @@ def report_command(run: str = typer.Argument(..., help="Run name."),
 
 
 @tasks_app.command("load")
-def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with a prompt column."),
+def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with a prompt "
+                                           "column, a folder of them, or a datasets folder."),
                run: str = typer.Option(..., "--run", help="Run to load into (created if new)."),
                seed: int = typer.Option(0, help="Seed of the shuffle."),
                in_order: bool = typer.Option(False, "--in-order",
                                              help="Keep the file's order (a curriculum)."),
+               column: list[str] = typer.Option([], "--column", help="OURS=THEIRS: the data "
+                                                "set's column for prompt, answer, split, "
+                                                "source, reward or messages (repeatable)."),
+               answer_pattern: Optional[str] = typer.Option(
+                   None, help="Regular expression taking the answer out of the answer "
+                   "column (GSM8K: '#### (.+)')."),
+               prompt_template: Optional[str] = typer.Option(
+                   None, help="The prompt as a format string over the row's columns."),
+               system_prompt: Optional[str] = typer.Option(
+                   None, help="A system message every task's conversation starts with."),
                config: Optional[Path] = ConfigOption) -> None:
     """Load tasks from a file into a run, all or nothing, shuffled as a run's task file is
     (explorers claim tasks in id order)."""
     import random
 
-    from reservoir.config import checked_run_name
-    from reservoir.explorer.tasks import read_task_file
+    from pydantic import ValidationError
+
+    from reservoir.config import TasksConfig, checked_run_name, describe_errors
+    from reservoir.explorer.tasks import TaskShape, read_task_file
 
     checked_run_name(run, "--run")
-    rows = read_task_file(file)
+    pairs = [item.split("=", 1) for item in column]
+    bad = next((item for item, pair in zip(column, pairs) if len(pair) != 2), None)
+    if bad is not None:
+        raise ConfigError(f"--column {bad!r}: write OURS=THEIRS, e.g. --column prompt=question")
+    try:
+        shape = TasksConfig.model_validate({
+            "columns": dict(pairs), "answer_pattern": answer_pattern,
+            "prompt_template": prompt_template, "system_prompt": system_prompt,
+            "generate": None})
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc, "tasks load options", TasksConfig)) from None
+    rows = read_task_file(file, TaskShape(tuple(shape.columns.items()), shape.answer_pattern,
+                                          shape.system_prompt, shape.prompt_template))
     if not in_order:
         random.Random(seed).shuffle(rows)
     with _open(config, migrate=True) as store:

@@ -302,13 +302,56 @@ def _generator(value: str | None) -> str | None:
     return value
 
 
+def _column_name(value: str) -> str:
+    if not value or len(value) > 200 or "\x00" in value:
+        raise ValueError(f"{value!r} is not a column name")
+    return value
+
+
+def _pattern(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        compiled = re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"{value!r} is not a regular expression: {exc}") from None
+    if compiled.groups > 1:
+        raise ValueError(f"{value!r} has {compiled.groups} groups; the answer is its one group "
+                         "(or the whole match without one)")
+    return value
+
+
+def _template(value: str | None) -> str | None:
+    if value is not None:
+        from reservoir.plan.templates import template_fields
+
+        if not template_fields(value):
+            raise ValueError(f"{value!r} names no column: a template fills the prompt from "
+                             "the row, e.g. '{question}'")
+    return value
+
+
 class TasksConfig(Section):
     """Where tasks come from: a file, or a generator for the CPU examples (neither: a served
     run, whose agents bring their own)."""
 
     file: LocalPath | None = Field(
-        default=None, description="a task file: JSONL, Parquet or CSV (prompt, answer, "
-        "optional split, source, reward, messages), shuffled by run.seed as the run loads it")
+        default=None, description="a task file (JSONL, Parquet or CSV: prompt, answer, "
+        "optional split, source, reward, messages), a folder of such shards, or a Hugging Face "
+        "datasets folder (save_to_disk), shuffled by run.seed as the run loads it")
+    columns: dict[Literal["prompt", "answer", "split", "source", "reward", "messages"],
+                  Annotated[str, AfterValidator(_column_name)]] = Field(
+        default_factory=dict, description="our column names mapped to the data set's, e.g. "
+        "{prompt: question, answer: answer}")
+    answer_pattern: Annotated[str | None, AfterValidator(_pattern)] = Field(
+        default=None, description="a regular expression that takes the answer out of the "
+        "answer column: its first group, else the whole match (GSM8K: '#### (.+)')")
+    prompt_template: Annotated[str | None, AfterValidator(_template)] = Field(
+        default=None, description="the prompt as a format string over the row's columns, e.g. "
+        "'{question} Put the final answer after ####.' (column names only)")
+    system_prompt: str | None = Field(
+        default=None, min_length=1, max_length=100_000, description="a system message every "
+        "task's conversation starts with (explorers, evaluation and sft on tasks)")
     generate: Annotated[str | None, AfterValidator(_generator)] = Field(
         default="reverse", description="addition, reverse, sort, calculator or guess_number")
     count: Count = count(2000, 1, 10_000_000, "how many tasks the generator makes")

@@ -164,8 +164,9 @@ def _prepared(config: ReservoirConfig) -> ReservoirConfig:
     check_model(config)
     if config.branch is not None:
         branch_checkpoint(config)
-    if config.tasks.file is not None and not Path(config.tasks.file).is_file():
-        raise ConfigError(f"tasks.file: {config.tasks.file} is not a file")
+    if config.tasks.file is not None and not Path(config.tasks.file).exists():
+        raise ConfigError(f"tasks.file: {config.tasks.file} does not exist (a task file, a "
+                          "folder of shards or a datasets folder)")
     for index, path in enumerate(config.pipelines):
         stream_spec(path, index)
     make_workflow(config.explorer.workflow, config.explorer.workflow_options)

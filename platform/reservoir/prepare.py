@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 from reservoir.config import ReservoirConfig
-from reservoir.explorer.tasks import read_task_file
+from reservoir.explorer.tasks import TaskShape, read_task_file
 from reservoir.plan.tasks import GENERATORS
 from reservoir.store import Store
 from reservoir.plan.stages import total_steps
@@ -48,7 +48,9 @@ def task_rows(config: ReservoirConfig) -> list[dict]:
     batch neighbouring, correlated tasks and the warm-up one corner of them."""
     tasks = config.tasks
     if tasks.file is not None:
-        rows = read_task_file(tasks.file)
+        rows = read_task_file(tasks.file, TaskShape(
+            tuple(tasks.columns.items()), tasks.answer_pattern, tasks.system_prompt,
+            tasks.prompt_template))
         random.Random(config.run.seed).shuffle(rows)
         return rows
     if tasks.generate is not None:

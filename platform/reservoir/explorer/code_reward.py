@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from reservoir.explorer.rewards import REWARDS, Components, Context
+from reservoir.explorer.rewards import Components, Context
 from reservoir.explorer.sandbox import Limits, run_python
 
 FENCED = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -52,7 +52,6 @@ def _lines(text: str) -> list[str]:
     return [line.rstrip() for line in text.strip().splitlines()]
 
 
-@REWARDS.register("code_exec")
 def code_exec(response: str, answer: str, *, context: Context = Context()) -> Components:
     """The share of the task's tests (payload.tests) the response's program passes."""
     tests = context.payload.get("tests")

@@ -5,7 +5,8 @@ sequence-classification model folder, run in the explorer's process, batched).
 Options (`explorer.reward_options`):
 - llm_judge: url (the endpoint's base, e.g. http://127.0.0.1:8000/v1), model, rubric (the
   system prompt; it must ask for a number), max_score (10), max_concurrency (4 requests at
-  once), timeout_s (30), max_tokens (32), token_env (the variable holding a bearer token).
+  once), timeout_s (30), max_tokens (32), temperature (unset: the endpoint's; 0 for a
+  deterministic judge where it allows), token_env (the variable holding a bearer token).
   The score is the last number of the judge's answer, divided by max_score; an answer
   without one, or outside [0, max_score], is a failure (reward_failed), not a score.
 - reward_model: path (the model folder), device (cpu), batch_size (16), max_length (1024);
@@ -22,7 +23,7 @@ from concurrent.futures import Future
 
 import httpx
 
-from reservoir.explorer.rewards import REWARDS, Components, Context
+from reservoir.explorer.rewards import Components, Context
 
 DEFAULT_RUBRIC = ("You grade answers. Read the question, the reference answer and the "
                   "response, then reply with one integer from 0 (wrong) to 10 (fully correct "
@@ -52,7 +53,6 @@ def judge_score(text: str, max_score: float) -> float:
     return score / max_score
 
 
-@REWARDS.register("llm_judge")
 def llm_judge(response: str, answer: str, *, context: Context = Context()) -> Components:
     """A judge model's score of the response against the rubric, in [0, 1]."""
     options = context.options
@@ -64,15 +64,18 @@ def llm_judge(response: str, answer: str, *, context: Context = Context()) -> Co
         else ""
     question = (f"Question:\n{context.prompt}\n\nReference answer:\n{answer}\n\n"
                 f"Response:\n{response}\n\nScore:")
-    body = {"model": options.get("model", "judge"), "temperature": 0,
+    body = {"model": options.get("model", "judge"),
             "max_tokens": int(options.get("max_tokens", 32)),
             "messages": [{"role": "system", "content": options.get("rubric", DEFAULT_RUBRIC)},
                          {"role": "user", "content": question}]}
+    if options.get("temperature") is not None:  # else the endpoint's own (serve: the run's)
+        body["temperature"] = float(options["temperature"])
     with _gate(url, int(options.get("max_concurrency", 4))):
         reply = httpx.post(f"{url}/chat/completions", json=body,
                            headers={"Authorization": f"Bearer {token}"} if token else {},
                            timeout=float(options.get("timeout_s", 30.0)))
-    reply.raise_for_status()
+    if reply.status_code != 200:
+        raise ValueError(f"the judge answered {reply.status_code}: {reply.text[:300]}")
     text = reply.json()["choices"][0]["message"]["content"] or ""
     return {"judge": judge_score(text, float(options.get("max_score", 10)))}
 
@@ -143,7 +146,6 @@ def _scorer(options: dict) -> _Scorer:
         return _scorers[key]
 
 
-@REWARDS.register("reward_model")
 def reward_model(response: str, answer: str, *, context: Context = Context()) -> Components:
     """A reward model's score of (prompt, response)."""
     value = _scorer(context.options).score(context.prompt, response)

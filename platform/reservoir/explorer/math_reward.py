@@ -14,7 +14,7 @@ import multiprocessing
 import threading
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as CallTimeout
 
-from reservoir.explorer.rewards import REWARDS, Components, Context
+from reservoir.explorer.rewards import Components, Context
 
 WORKERS = 2
 DEFAULT_TIMEOUT_S = 5.0
@@ -52,7 +52,6 @@ def _replace(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-@REWARDS.register("math_verify")
 def math_verify(response: str, answer: str, *, context: Context = Context()) -> Components:
     """1 when math-verify finds the response's answer equal to the task's (e.g. `\\frac{1}{2}`
     and `0.5`, `\\{1, 2\\}` and `\\{2, 1\\}`), else 0."""

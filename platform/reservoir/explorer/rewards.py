@@ -191,5 +191,8 @@ def score(response: str, answer: str, functions: list[RewardFunction]) -> tuple[
     return sum(components.values()), components
 
 
-# The built-in rewards that need more than a regular expression register themselves.
-from reservoir.explorer import code_reward, judge_reward, math_reward  # noqa: E402,F401
+# Built in, imported when first named (they bring a sandbox, an HTTP client, a model).
+REWARDS.register_lazy("math_verify", "reservoir.explorer.math_reward:math_verify")
+REWARDS.register_lazy("code_exec", "reservoir.explorer.code_reward:code_exec")
+REWARDS.register_lazy("llm_judge", "reservoir.explorer.judge_reward:llm_judge")
+REWARDS.register_lazy("reward_model", "reservoir.explorer.judge_reward:reward_model")

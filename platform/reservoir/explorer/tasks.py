@@ -1,4 +1,10 @@
-"""Tasks for explorers: read from JSONL / Parquet / CSV files, or generated for CPU examples.
+"""Tasks for explorers: read from JSONL / Parquet / CSV files, a folder of such shards, or a
+Hugging Face `datasets` folder (`save_to_disk`), or generated for CPU examples.
+
+A data set's own columns are mapped with a `TaskShape` (tasks.columns, answer_pattern,
+system_prompt, prompt_template): e.g. GSM8K's `question` becomes the prompt and the number after
+its answer's `####` the answer. A `DatasetDict` folder's splits become the tasks' splits (train;
+test or validation: test).
 
 A task row has `prompt` (required, non-empty text), `answer` (the ground truth a reward
 function checks: text or a number), optional `split` (train or test), `source`, `reward` (a
@@ -14,35 +20,144 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from reservoir.chat import check_demonstration
 from reservoir.errors import ConfigError
 from reservoir.explorer.rewards import REWARDS
+from reservoir.plan.templates import template_fields
 
 KNOWN = ("prompt", "answer", "split", "source")
 SPLITS = ("train", "test")
+MAPPED = ("prompt", "answer", "split", "source", "reward", "messages")  # tasks.columns' keys
+SPLIT_NAMES = {"train": "train", "test": "test", "validation": "test"}  # a DatasetDict's
 
 
-def read_task_file(path: Path) -> list[dict[str, Any]]:
-    """Task rows from a file; errors name the file, and the row and column when one is bad."""
+@dataclass(frozen=True)
+class TaskShape:
+    """How a data set's rows become tasks: `columns` maps our names (prompt, answer, split,
+    source, reward, messages) to its columns; `answer_pattern` (a regular expression) takes the
+    answer out of the answer column (its first group, else the whole match);
+    `prompt_template` (a format string over the row's columns) makes the prompt;
+    `system_prompt` goes with every task (payload.system_prompt: explorers and sft on tasks
+    put it before the prompt)."""
+
+    columns: tuple[tuple[str, str], ...] = ()
+    answer_pattern: str | None = None
+    system_prompt: str | None = None
+    prompt_template: str | None = None
+
+    def named(self, ours: str) -> str:
+        return dict(self.columns).get(ours, ours)
+
+
+def read_task_file(path: Path, shape: TaskShape = TaskShape()) -> list[dict[str, Any]]:
+    """Task rows from a file or folder; errors name the file, and the row and column when one
+    is bad, and nothing is loaded."""
     path = Path(path)
+    rows = []
+    for source, records, split in _sources(path):
+        if not records:
+            continue
+        columns = list(dict.fromkeys(key for record in records for key in record))
+        needed = shape.named("prompt") if shape.prompt_template is None else None
+        if needed is not None and needed not in columns:
+            raise ConfigError(f"{source}: no {needed!r} column (columns: {', '.join(columns)})"
+                              + ("" if needed == "prompt" else " (tasks.columns.prompt)"))
+        rows += [_task_row(source, number, _shaped(source, number, record, shape, split))
+                 for number, record in enumerate(records, start=1)]
+    if not rows:
+        raise ConfigError(f"{path}: the {'folder' if path.is_dir() else 'file'} holds no tasks")
+    return rows
+
+
+def _sources(path: Path) -> list[tuple[Path, list[dict[str, Any]], str | None]]:
+    """(file, its records, the split its folder names) of a file, a folder of shards or a
+    `datasets` folder."""
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
+            return _saved_dataset(path)
+        shards = sorted(p for p in path.iterdir() if p.suffix.lower() in READERS)
+        if not shards:
+            raise ConfigError(f"{path}: a folder of tasks holds {', '.join(READERS)} shards or "
+                              "a data set saved with datasets' save_to_disk; found neither")
+        return [(shard, _read(shard), None) for shard in shards]
+    return [(path, _read(path), None)]
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
     reader = READERS.get(path.suffix.lower())
     if reader is None:
-        raise ConfigError(f"{path}: unknown task file type; use {', '.join(READERS)}")
+        raise ConfigError(f"{path}: unknown task file type; use {', '.join(READERS)}, a folder "
+                          "of them, or a datasets folder")
     try:
-        records = reader(path)
+        return reader(path)
     except ConfigError:
         raise
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read tasks: {' '.join(str(exc).split())}") from None
-    if not records:
-        raise ConfigError(f"{path}: the file holds no tasks")
-    columns = list(dict.fromkeys(key for record in records for key in record))
-    if "prompt" not in columns:
-        raise ConfigError(f"{path}: no 'prompt' column (columns: {', '.join(columns)})")
-    return [_task_row(path, number, record) for number, record in enumerate(records, start=1)]
+
+
+def _saved_dataset(path: Path) -> list[tuple[Path, list[dict[str, Any]], str | None]]:
+    """A folder `save_to_disk` wrote: one Dataset, or a DatasetDict whose splits become ours."""
+    from datasets import Dataset, load_from_disk
+
+    try:
+        loaded = load_from_disk(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read the data set: {' '.join(str(exc).split())}") \
+            from None
+    if isinstance(loaded, Dataset):
+        return [(path, loaded.to_list(), None)]
+    unknown = [name for name in loaded if name not in SPLIT_NAMES]
+    if unknown:
+        raise ConfigError(f"{path}: split {unknown[0]!r}: a data set's splits are train, test "
+                          "or validation (a test split)")
+    return [(path / name, loaded[name].to_list(), SPLIT_NAMES[name]) for name in loaded]
+
+
+def _shaped(source: Path, number: int, record: dict[str, Any], shape: TaskShape,
+            split: str | None) -> dict[str, Any]:
+    """A data set's record with our column names, its prompt made and its answer taken out."""
+    where = f"{source} row {number}"
+    theirs = dict(shape.columns)
+    renamed = {name: value for name, value in record.items() if name not in theirs.values()}
+    for ours, column in theirs.items():
+        if column in record:
+            renamed[ours] = record[column]
+    if shape.prompt_template is not None:
+        renamed["prompt"] = _filled(where, shape.prompt_template, record)
+    if shape.answer_pattern is not None and not _missing(renamed.get("answer")):
+        renamed["answer"] = _extracted(where, shape, str(renamed["answer"]))
+    if split is not None and "split" not in theirs:
+        renamed["split"] = split
+    if shape.system_prompt is not None:
+        renamed["system_prompt"] = shape.system_prompt
+    return renamed
+
+
+def _filled(where: str, template: str, record: dict[str, Any]) -> str:
+    missing = [name for name in template_fields(template) if name not in record]
+    if missing:
+        raise ConfigError(f"{where}: tasks.prompt_template names column {missing[0]!r}, which "
+                          f"the row does not have; no task was loaded")
+    return template.format_map({name: "" if _missing(_plain(value)) else value
+                                for name, value in record.items()})
+
+
+def _extracted(where: str, shape: TaskShape, answer: str) -> str:
+    found = re.search(shape.answer_pattern, answer, re.DOTALL)
+    if found is None:
+        shown = answer if len(answer) <= 60 else answer[:57] + "..."
+        raise ConfigError(f"{where}: column {shape.named('answer')!r} = {shown!r}: "
+                          f"tasks.answer_pattern {shape.answer_pattern!r} finds no answer in it;"
+                          " no task was loaded")
+    return (found.group(1) if found.groups() else found.group(0)).strip()
+
+
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

@@ -47,6 +47,14 @@ class Task:
     answer: str | None = None
     payload: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation a single-turn sample answers: the task's system prompt (a data
+        set's tasks.system_prompt) if any, then its prompt."""
+        system = self.payload.get("system_prompt")
+        return ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": self.prompt}]
+
     @classmethod
     def of(cls, row) -> "Task":
         """From a (id, prompt, answer, payload) row of the tasks table."""
@@ -58,7 +66,7 @@ class Task:
 def single_turn(task: Task, policy: Policy) -> list[Experience]:
     """n samples of the prompt, each scored by the task's reward function."""
     return [policy.experience(task.prompt, sample, *policy.score(sample.text, task.answer))
-            for sample in policy.sample(task.prompt)]
+            for sample in policy.sample(task.messages)]
 
 
 @dataclass(frozen=True)

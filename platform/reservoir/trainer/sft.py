@@ -21,10 +21,12 @@ from reservoir.trainer.step import train_step
 
 def conversation(prompt: str, answer: str | None, payload: dict | None = None) -> list[Message]:
     """What sft on a task trains on: the demonstration its `messages` hold, else its prompt
-    answered with its answer."""
+    (after its system prompt, if any) answered with its answer."""
     if payload and payload.get("messages"):
         return payload["messages"]
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer or ""}]
+    system = (payload or {}).get("system_prompt")
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}, {"role": "assistant", "content": answer or ""}]
 
 
 def demonstrations(tokenizer, conversations: Sequence[Sequence[Message]]) -> list[Tokens]:
