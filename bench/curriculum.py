@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--db-url", default=None, help="PostgreSQL URL (default: embedded)")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=130)
     scratch = Path(tempfile.mkdtemp(prefix="bench-curriculum-"))
     with console.status(f"supervised warm-up on 2-4 letter words ({args.warmup_steps} steps)"):
         model = start_model(scratch, args.warmup_steps)

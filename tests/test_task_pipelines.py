@@ -12,7 +12,7 @@ from sqlalchemy import text
 from reservoir.pipeline.runner import PipelineFailed, run_pipeline
 from reservoir.pipeline.spec import load_pipeline, parse_pipeline
 from reservoir.errors import ConfigError
-from reservoir.store import TaskOrder
+from reservoir.store import Store, TaskOrder
 from reservoir.store.tasks import add_tasks, claim_tasks
 from tests.factories import make_group
 
@@ -175,3 +175,55 @@ def test_each_claim_order_reads_an_index_of_active_tasks(store):
             plan = "\n".join(row[0] for row in conn.execute(text("EXPLAIN " + sql)))
         assert "tasks_claim_" in plan, (order, plan)
         assert "Seq Scan on tasks" not in plan, (order, plan)
+
+
+NEAR = ["Reverse each of the following words and write them in the same order: alpha beta "
+        "gamma delta epsilon zeta eta theta iota kappa lambda",
+        "Reverse each of the following words and write them in the same order: alpha beta "
+        "gamma delta epsilon zeta eta theta iota kappa lambda mu",
+        "Add the two numbers seven and twelve, then write the sum as digits only"]
+
+
+@pytest.mark.parametrize("deduplicator", [
+    {"document_deduplicator": {"lowercase": True}},
+    {"document_minhash_deduplicator": {"tokenization": "space", "jaccard_threshold": 0.7}},
+    {"document_simhash_deduplicator": {"tokenization": "space", "window_size": 3,
+                                       "hamming_distance": 4}},
+])
+def test_each_kind_of_deduplicator_retires_repeated_tasks(store, deduplicator):
+    prompts = NEAR if "document_deduplicator" not in deduplicator else \
+        [NEAR[0], NEAR[0].upper().lower(), NEAR[2]]
+    ids = tasks_of(store, prompts=prompts)
+    spec = parse_pipeline({"name": "dedup", "source": {"table": "tasks", "runs": ["t"]},
+                           "process": [deduplicator]})
+    run_pipeline(store, spec)
+    assert rows(store, "SELECT id, status FROM tasks ORDER BY id") == [
+        (ids[0], "active"), (ids[1], "retired"), (ids[2], "active")]
+    name = next(iter(deduplicator))
+    assert rows(store, "SELECT task_id, operator, kind FROM operator_events") == [
+        (ids[1], name, "dropped")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_a_stream_over_tasks_closes_the_curriculum_loop_in_a_run(tmp_path, db_url, placement):
+    """A run declaring curriculum.yaml as a stream: each explored task's difficulty is written
+    while the run goes, explorers claim in the band, and the experiences are not held raw."""
+    from reservoir import pool
+    from tests.test_run import run_config
+
+    pipeline = tmp_path / "curriculum_stream.yaml"
+    pipeline.write_text("mode: stream\nsource: {table: tasks, where: 'times_explored > 0'}\n"
+                        "process:\n  - task_difficulty_mapper: {component: accuracy}\n")
+    config = run_config(tmp_path, db_url, run={"name": "r", "placement": placement},
+                        explorer={"workers": 1, "max_tokens": 6, "task_order": "difficulty_band"},
+                        trainer={"steps": 3, "eval_interval": 3})
+    config = config.model_copy(update={"pipelines": (pipeline,)})
+    assert pool.run(config).steps == 3
+    with Store(db_url) as store:
+        measured = rows(store, "SELECT count(*) FILTER (WHERE difficulty IS NOT NULL), "
+                               "count(*) FILTER (WHERE times_explored > 0) FROM tasks")[0]
+        passes = rows(store, "SELECT count(*) FROM pipeline_runs WHERE trigger = 'stream' AND "
+                             "status = 'succeeded'")[0][0]
+        raw = rows(store, "SELECT count(*) FROM experiences WHERE status = 'raw'")[0][0]
+    assert measured[0] > 0 and passes >= 1 and raw == 0
