@@ -227,3 +227,26 @@ def test_a_stream_over_tasks_closes_the_curriculum_loop_in_a_run(tmp_path, db_ur
                              "status = 'succeeded'")[0][0]
         raw = rows(store, "SELECT count(*) FROM experiences WHERE status = 'raw'")[0][0]
     assert measured[0] > 0 and passes >= 1 and raw == 0
+
+
+def test_a_selector_retires_the_tasks_it_does_not_pick_and_a_scorer_sets_priority(store):
+    ids = tasks_of(store, prompts=[f"Reverse the word: {w}" for w in
+                                   ("a", "bb", "ccc", "dddd", "eeeee")])
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE tasks SET difficulty = (id % 5) / 5.0"))
+    spec = parse_pipeline({
+        "name": "hardest", "source": {"table": "tasks", "runs": ["t"]},
+        "process": [{"python_lambda_mapper": {
+                        "lambda_str": "lambda s: {**s, 'priority': float(len(s['prompt']))}"}},
+                    {"topk_specified_field_selector": {"field_key": "difficulty", "topk": 3,
+                                                       "reverse": True}}],
+        "output": {"unselected": "retired"}})
+    run_pipeline(store, spec)
+    got = rows(store, "SELECT id, status, priority FROM tasks ORDER BY id")
+    kept = {task_id for task_id, status, _ in got if status == "active"}
+    assert kept == {task_id for task_id in ids if task_id % 5 in (2, 3, 4)}  # the 3 hardest
+    assert {task_id: priority for task_id, status, priority in got if status == "active"} == {
+        task_id: float(len(f"Reverse the word: {w}"))
+        for task_id, w in zip(ids, ("a", "bb", "ccc", "dddd", "eeeee")) if task_id in kept}
+    kinds = rows(store, "SELECT kind, count(*) FROM operator_events GROUP BY 1 ORDER BY 1")
+    assert kinds == [("retired", 2), ("scored", 3)]
