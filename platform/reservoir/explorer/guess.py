@@ -41,7 +41,7 @@ class GuessNumber:
 
     def __call__(self, task, policy) -> list:
         secret = int(task.payload["secret"])
-        episodes = [policy.episode(task.prompt) for _ in range(policy.n)]
+        episodes = [policy.episode(task.messages) for _ in range(policy.n)]
         solved = [False] * len(episodes)
         live = list(range(len(episodes)))
         while live:

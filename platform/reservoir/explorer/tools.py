@@ -74,7 +74,7 @@ class Calculator:
         self.max_calls = whole_number("max_calls", max_calls, 0, 16)
 
     def __call__(self, task, policy) -> list:
-        episodes = [policy.episode(task.prompt) for _ in range(policy.n)]
+        episodes = [policy.episode(task.messages) for _ in range(policy.n)]
         calls, answers = [0] * len(episodes), [""] * len(episodes)
         live = list(range(len(episodes)))
         while live:
