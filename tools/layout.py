@@ -25,7 +25,7 @@ LAYERS = [  # (layer, module prefixes), lowest first
     ("plan of a config", ["reservoir.plan.stages", "reservoir.plan.weights"]),
     ("store", ["reservoir.store", "reservoir.migrations"]),
     ("roles", ["reservoir.explorer", "reservoir.trainer", "reservoir.pipeline",
-               "reservoir.operators"]),
+               "reservoir.operators", "reservoir.tracking"]),
     ("runs", ["reservoir.prepare", "reservoir.colocated", "reservoir.export", "reservoir.monitor",
               "reservoir.report", "reservoir.demo", "reservoir.agent"]),
     ("pool", ["reservoir.pool"]),

@@ -47,6 +47,37 @@ def runs_list(wide: bool = WideOption, config: Optional[Path] = ConfigOption) ->
     print_table(console, columns, [[row[c] for c in columns] for row in found], wide=wide)
 
 
+@runs_app.command("track")
+def runs_track(run: str = typer.Argument(..., help="Run name."),
+               to: str = typer.Option(..., "--to", help="tensorboard, mlflow or wandb."),
+               where: str = typer.Argument(..., help="tensorboard: the log folder; mlflow: the "
+                                           "tracking URI; wandb: the project (offline files "
+                                           "in ./wandb)."),
+               experiment: str = typer.Option("reservoir", help="MLflow experiment."),
+               config: Optional[Path] = ConfigOption) -> None:
+    """Log a run's committed steps from the store into a tracker (the steps it has not logged
+    yet: live tracking of the same run continues where this ends, and the reverse)."""
+    from pydantic import ValidationError
+
+    from reservoir.config import TrackingConfig, describe_errors
+    from reservoir.tracking import replay
+    from reservoir.tracking.trackers import configured
+
+    settings = {"tensorboard": {"dir": where}, "mlflow": {"tracking_uri": where,
+                                                          "experiment": experiment},
+                "wandb": {"project": where}}
+    if to not in settings:
+        fail(f"--to {to!r}: a tracker is tensorboard, mlflow or wandb")
+    try:
+        tracking = TrackingConfig.model_validate({to: settings[to]})
+    except ValidationError as exc:
+        fail(describe_errors(exc, "runs track", TrackingConfig))
+    with _open(config) as store:
+        logged = replay(store, run, configured(tracking))
+    console.print(f"run {run!r}: {logged} steps logged to {to} ({where})", highlight=False,
+                  markup=False)
+
+
 @runs_app.command("archive")
 def runs_archive(run: str = typer.Argument(..., help="Run name."),
                  out: Path = typer.Option(..., "--out", "-o", help="Folder to write (new, or "

@@ -302,6 +302,14 @@ def _generator(value: str | None) -> str | None:
     return value
 
 
+def _tracking_uri(value: str) -> str:
+    scheme = value.split(":", 1)[0].lower()
+    if scheme not in ("http", "https", "file", "sqlite", "postgresql", "mysql", "databricks"):
+        raise ValueError(f"{redact_text(value)!r}: an MLflow tracking URI starts with "
+                         "http(s)://, file://, sqlite:// or a database scheme")
+    return value
+
+
 def _column_name(value: str) -> str:
     if not value or len(value) > 200 or "\x00" in value:
         raise ValueError(f"{value!r} is not a column name")
@@ -368,6 +376,46 @@ class TasksConfig(Section):
     @property
     def any(self) -> bool:
         return self.file is not None or self.generate is not None
+
+
+class TensorBoardTracking(Section):
+    dir: LocalPath = Field(description="the log folder (one subfolder per run: "
+                           "tensorboard --logdir DIR)")
+
+
+class MlflowTracking(Section):
+    tracking_uri: Annotated[str, AfterValidator(_tracking_uri)] = Field(
+        description="an MLflow tracking URI: a server (http://host:5000) or a local store "
+        "(file:///path, sqlite:///path.db)")
+    experiment: str = Field(default="reservoir", min_length=1, max_length=500,
+                            description="the MLflow experiment runs are logged under")
+
+
+class WandbTracking(Section):
+    project: str = Field(min_length=1, max_length=128, description="the W&B project")
+    entity: str | None = Field(default=None, max_length=128,
+                               description="the W&B entity (team or user); unset: yours")
+    mode: Literal["online", "offline"] = Field(
+        default="offline", description="offline writes the run's files (wandb sync sends "
+        "them later); online needs WANDB_API_KEY in the environment")
+    dir: LocalPath | None = Field(default=None, description="where wandb writes its files; "
+                                  "unset: ./wandb")
+
+
+class TrackingConfig(Section):
+    """Experiment trackers that follow the run (views of the store: each step is logged once,
+    after it committed; a tracker that fails is one warning and the run goes on)."""
+
+    tensorboard: TensorBoardTracking | None = Field(
+        default=None, description="TensorBoard event files: {dir}")
+    mlflow: MlflowTracking | None = Field(
+        default=None, description="MLflow: {tracking_uri, experiment}")
+    wandb: WandbTracking | None = Field(
+        default=None, description="Weights & Biases: {project, entity, mode, dir}")
+
+    @property
+    def any(self) -> bool:
+        return any((self.tensorboard, self.mlflow, self.wandb))
 
 
 class ServeConfig(Section):
@@ -770,6 +818,9 @@ class ReservoirConfig(Section):
         default=(), description="stages in order, each with its algorithm, steps, lr and data; "
         "unset: trainer.warmup_steps of sft on tasks, then trainer.steps of trainer.algorithm "
         "on the explorers' rollouts")
+    tracking: TrackingConfig = Field(
+        default=TrackingConfig(), description="TensorBoard, MLflow and W&B trackers that "
+        "follow the run's steps from the store")
     serve: ServeConfig | None = Field(
         default=None, description="set (`serve: {}` for the defaults) when agents feed the run "
         "through `reservoir serve`: its groups are episodes of any size")

@@ -270,6 +270,15 @@ async def commit_pairs(engine: AsyncEngine, lease: PairLease, *, run_id: int, st
     return step_id
 
 
+def steps_after(conn: Connection, run_id: int, step: int, limit: int = 1000) -> list[tuple]:
+    """The run's committed steps after `step`, in order, up to `limit`: (step, stage, loss,
+    metrics, created_at) each (what trackers follow)."""
+    ts = train_steps.c
+    return [tuple(row) for row in conn.execute(
+        select(ts.step, ts.stage, ts.loss, ts.metrics, ts.created_at)
+        .where(ts.run_id == run_id, ts.step > step).order_by(ts.step).limit(limit))]
+
+
 class Ledger(Door):
     """`store.ledger`: train steps, what trained them and their metrics."""
 
@@ -279,5 +288,6 @@ class Ledger(Door):
     last_step = reading(last_step)
     step_history = reading(step_history)
     staleness_counts = reading(staleness_counts)
+    steps_after = reading(steps_after)
     record_step = writing(record_step)
     add_step_metrics = writing(add_step_metrics)

@@ -428,6 +428,21 @@ run_archives = Table(
     comment="Each archive of a run (the SHA-256 of its manifest.json) and when it was restored.",
 )
 
+run_trackers = Table(
+    "run_trackers",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("tracker", Text, primary_key=True),
+    Column("destination", Text, primary_key=True),
+    Column("external_id", Text),
+    Column("last_step", Integer, nullable=False, server_default="-1"),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("tracker IN ('tensorboard', 'mlflow', 'wandb')",
+                    name="run_trackers_tracker_valid"),
+    comment="Each experiment tracker following a run: its own run id and the last step it "
+            "logged (a resumed run logs no step twice).",
+)
+
 episodes = Table(
     "episodes",
     metadata,

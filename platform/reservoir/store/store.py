@@ -23,7 +23,7 @@ from reservoir.config import (DEFAULT_REWARD_RANGE, ReservoirConfig, SamplerConf
 from reservoir.errors import ConfigError
 from reservoir.store import engine as engines
 from reservoir.store import (episodes, ledger, pipelines, preferences, reviews, runs, sampler,
-                             schedules, tasks, writer)
+                             schedules, tasks, trackers, writer)
 from reservoir.store import migrate as migrations
 from reservoir.plan.urls import redact
 from reservoir.store.loop import LoopThread
@@ -175,6 +175,7 @@ class Store:
         self.reviews = reviews.Reviews(self.engine)
         self.schedules = schedules.Schedules(self.engine)
         self.episodes = episodes.Episodes(self.engine)
+        self.trackers = trackers.Trackers(self.engine)
 
     @classmethod
     def open(cls, config: ReservoirConfig | None = None, *, quiet: bool = False,

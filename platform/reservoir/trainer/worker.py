@@ -32,6 +32,7 @@ from rich.console import Console
 
 from reservoir.config import ReservoirConfig
 from reservoir.errors import Abandoned, ConfigError, ReservoirError, StepNotFinite
+from reservoir.tracking import follow
 from reservoir.plan.weights import branch_checkpoint, check_model
 from reservoir.store import Patience, Store
 from reservoir.trainer.checkpoint import latest_checkpoint
@@ -92,7 +93,7 @@ class TrainerWorker:
             try:
                 self._set_status("running")
                 with TrainerPool(self.config, self.learner) as self.pool, \
-                        self._colocated() as self.here:
+                        self._colocated() as self.here, follow(self.config, store):
                     first, committed = self._resume() if self.resume else self._start()
                     self._train(first, committed)
             except Abandoned:  # a second Ctrl-C: no status, no checkpoint, at once

@@ -1,4 +1,4 @@
--- Reservoir's database as the migrations leave it (migrations/versions, head 0027), in one file
+-- Reservoir's database as the migrations leave it (migrations/versions, head 0028), in one file
 -- for a person learning it: every table, index, function, trigger, view and grant, by family.
 --
 -- When you add a migration, update this file; tests/test_schema.py checks they agree (it builds
@@ -810,6 +810,21 @@ CREATE TABLE run_archives (
 );
 COMMENT ON TABLE run_archives IS
   'Each archive of a run (the SHA-256 of its manifest.json) and when it was restored.';
+
+-- Experiment trackers that follow a run (TensorBoard, MLflow, W&B): their own run id and the
+-- last step each logged.
+CREATE TABLE run_trackers (
+    run_id bigint NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    tracker text NOT NULL,
+    destination text NOT NULL,
+    external_id text,
+    last_step integer NOT NULL DEFAULT -1,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, tracker, destination),
+    CONSTRAINT run_trackers_tracker_valid CHECK (tracker IN ('tensorboard', 'mlflow', 'wandb'))
+);
+COMMENT ON TABLE run_trackers IS
+  'Each experiment tracker following a run: its own run id and the last step it logged (a resumed run logs no step twice).';
 
 
 -- ============================================================================================

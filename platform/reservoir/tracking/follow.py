@@ -1,0 +1,143 @@
+"""Trackers as views of the store: each follows a run's committed steps, in order, once.
+
+While a trainer runs, `follow` starts a thread of its own (never the training thread) that
+every POLL_S reads the steps committed since each tracker's last one (store.ledger.steps_after)
+and logs them, then records how far it got (store.trackers): a run resumed after a crash, or
+`reservoir runs track` later, continues the same tracker run and logs no step twice. When the
+trainer ends, the thread logs what is left and closes the trackers. A tracker that fails
+(a server down, a full disk) is one warning on stderr and is dropped; the run goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+from typing import Iterator
+
+from reservoir.errors import ReservoirError, StoreError
+from reservoir.tracking.trackers import configured
+
+POLL_S = 1.0
+BATCH = 500  # steps read per query
+
+
+def _scalars(loss, metrics) -> dict[str, float]:
+    """A step's numbers: its loss and every finite numeric metric."""
+    values = {"loss": loss} if loss is not None else {}
+    values.update({key: value for key, value in (metrics or {}).items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    return {key: float(value) for key, value in values.items() if math.isfinite(value)}
+
+
+class _Following:
+    """The trackers of one run and where each has got to."""
+
+    def __init__(self, store, run: str, trackers: list) -> None:
+        self.store, self.run, self.run_id = store, run, store.run_id(run)
+        self.live: list = []
+        self.last: dict[str, int] = {}
+        try:
+            params = _params(store.runs.config_of(run))
+        except StoreError:  # a run made without a config (from Python)
+            params = {}
+        for tracker in trackers:
+            self._guard(tracker, lambda t=tracker: self._start(t, params))
+
+    def _start(self, tracker, params: dict) -> None:
+        state = self.store.trackers.state_of(self.run_id, tracker.kind, tracker.destination)
+        external_id = tracker.start(self.run, params, state.external_id)
+        self.store.trackers.save_state(self.run_id, tracker.kind, tracker.destination,
+                                       external_id, state.last_step)
+        self.live.append((tracker, external_id))
+        self.last[tracker.kind] = state.last_step
+
+    def catch_up(self) -> int:
+        """Log every committed step each tracker has not logged; returns how many."""
+        logged = 0
+        for tracker, external_id in list(self.live):
+            while True:
+                steps = self.store.ledger.steps_after(self.run_id, self.last[tracker.kind], BATCH)
+                if not steps or not self._guard(tracker, lambda: self._log(tracker, steps)):
+                    break
+                self.last[tracker.kind] = steps[-1][0]
+                logged += len(steps)
+                self.store.trackers.save_state(self.run_id, tracker.kind, tracker.destination,
+                                               external_id, steps[-1][0])
+        return logged
+
+    @staticmethod
+    def _log(tracker, steps) -> None:
+        for step, stage, loss, metrics, _ in steps:
+            tracker.log(step, _scalars(loss, metrics), stage)
+
+    def close(self) -> None:
+        for tracker, _ in self.live:
+            self._guard(tracker, tracker.close)
+        self.live = []
+
+    def _guard(self, tracker, action) -> bool:
+        """Run a tracker's action; on failure warn once and drop the tracker."""
+        try:
+            action()
+            return True
+        except Exception as exc:  # a tracker's failure never stops the run
+            hint = " (pip install 'reservoir[tracking]')" if isinstance(exc, ImportError) else ""
+            print(f"warning: tracker {tracker.kind} ({tracker.destination}) failed and is "
+                  f"dropped for this run: {type(exc).__name__}: "
+                  f"{' '.join(str(exc).split())[:300]}{hint}", file=sys.stderr, flush=True)
+            self.live = [(t, i) for t, i in self.live if t is not tracker]
+            return False
+
+
+def _params(config: dict, prefix: str = "") -> dict[str, str]:
+    """The run's config (passwords already removed in the store) as flat parameters."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_params(value, f"{name}."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+@contextlib.contextmanager
+def follow(config, store) -> Iterator[None]:
+    """While the block runs, the config's trackers follow its run from a thread of their own;
+    at its end they log what is left and close. Nothing happens without `tracking:`."""
+    trackers = configured(config.tracking)
+    if not trackers:
+        yield
+        return
+    following = _Following(store, config.run.name, trackers)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(POLL_S):
+            following.catch_up()
+
+    thread = threading.Thread(target=loop, name="trackers", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        following.catch_up()
+        following.close()
+
+
+def replay(store, run: str, trackers: list) -> int:
+    """Log a run's committed steps (those each tracker has not logged yet) and close; returns
+    how many steps were logged (`reservoir runs track`); ReservoirError if every tracker
+    failed (each said why)."""
+    following = _Following(store, run, trackers)
+    try:
+        logged = following.catch_up()
+        if trackers and not following.live:
+            raise ReservoirError(f"run {run!r}: no tracker could log it (see the warnings)")
+        return logged
+    finally:
+        following.close()

@@ -1,0 +1,141 @@
+"""One class per tracker library, each imported only when configured.
+
+A tracker takes a run's steps in order: `start(run, params, external_id)` opens (or, given the
+id it returned before, continues) its run and returns its id; `log(step, scalars, stage)` and
+`close()`. Libraries are asked not to reach the network unless told to (W&B offline, MLflow's
+retries bounded), since a tracker must never slow or stop a run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+class TensorBoard:
+    """Event files in `dir/<run>` (tensorboard's own event writer: no torch or TensorFlow)."""
+
+    kind = "tensorboard"
+
+    def __init__(self, settings) -> None:
+        self.destination = str(Path(settings.dir).resolve())
+        self.writer, self.stage = None, None
+
+    def start(self, run: str, params: dict[str, Any], external_id: str | None) -> str:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.writer = EventFileWriter(str(Path(self.destination) / run), flush_secs=5)
+        if external_id is None:
+            self._text(0, "config", "\n".join(f"    {k}: {v}" for k, v in sorted(params.items())))
+        return run
+
+    def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
+        from tensorboard.compat.proto import event_pb2
+
+        event = event_pb2.Event(wall_time=time.time(), step=step)
+        for tag, value in scalars.items():
+            event.summary.value.add(tag=tag, simple_value=value)
+        self.writer.add_event(event)
+        if stage != self.stage:
+            self.stage = stage
+            self._text(step, "stage", f"stage {stage!r} from step {step}")
+
+    def _text(self, step: int, tag: str, text: str) -> None:
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        self.writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
+                                              summary=text_pb(tag, text)))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Mlflow:
+    """An MLflow run in `experiment` at `tracking_uri`; its run id continues it on resume."""
+
+    kind = "mlflow"
+
+    def __init__(self, settings) -> None:
+        from reservoir.plan.urls import redact_text
+
+        self.uri, self.experiment = settings.tracking_uri, settings.experiment
+        self.destination = redact_text(self.uri)
+        self.client, self.run_id, self.stage = None, None, None
+
+    def start(self, run: str, params: dict[str, Any], external_id: str | None) -> str:
+        if self.uri.startswith("file:") or "://" not in self.uri:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3: opt in
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # default: 4 minutes
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+        if external_id is not None:
+            self.run_id = external_id
+            return external_id
+        found = self.client.get_experiment_by_name(self.experiment)
+        experiment = found.experiment_id if found else \
+            self.client.create_experiment(self.experiment)
+        self.run_id = self.client.create_run(experiment, run_name=run).info.run_id
+        for key, value in list(params.items())[:500]:
+            self.client.log_param(self.run_id, key, str(value)[:6000])
+        return self.run_id
+
+    def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step)
+                                                    for key, value in scalars.items()])
+        if stage != self.stage:
+            self.stage = stage
+            self.client.set_tag(self.run_id, f"stage.{stage}", f"from step {step}")
+
+    def close(self) -> None:
+        if self.client is not None and self.run_id is not None:
+            self.client.set_terminated(self.run_id)
+
+
+class Wandb:
+    """A W&B run (offline by default: its files under `dir/wandb`); its id continues it."""
+
+    kind = "wandb"
+
+    def __init__(self, settings) -> None:
+        self.settings = settings
+        self.destination = f"{settings.entity or ''}/{settings.project}"
+        self.run = None
+
+    def start(self, run: str, params: dict[str, Any], external_id: str | None) -> str:
+        for name, value in (("WANDB_ERROR_REPORTING", "false"), ("WANDB_SILENT", "true"),
+                            ("WANDB_DISABLE_GIT", "true"), ("WANDB_CONSOLE", "off")):
+            os.environ.setdefault(name, value)
+        if self.settings.mode == "offline":
+            os.environ["WANDB_MODE"] = "offline"  # before wandb starts: no telemetry lookups
+        import wandb
+
+        folder = Path(self.settings.dir or ".").resolve()  # wandb writes folder/wandb/
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=self.settings.project, entity=self.settings.entity,
+                              mode=self.settings.mode, dir=str(folder), name=run,
+                              id=external_id, resume="allow", config=params)
+        return self.run.id
+
+    def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
+        self.run.log({**scalars, "stage": stage or ""}, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def configured(tracking) -> list:
+    """The trackers a config's `tracking:` section names (none imported yet)."""
+    return [kind(settings) for kind, settings in ((TensorBoard, tracking.tensorboard),
+                                                   (Mlflow, tracking.mlflow),
+                                                   (Wandb, tracking.wandb)) if settings]

@@ -1,0 +1,164 @@
+"""Experiment trackers follow a run from the store (issue 33): TensorBoard, MLflow (file
+store) and W&B (offline) at once, read back with their own libraries and compared with
+analytics.run_steps; no step logged twice when tracking resumes; a tracker that cannot reach
+its server is one warning and the run finishes; `reservoir runs track` replays a finished run."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from reservoir import pool
+from reservoir.store import Store
+from reservoir.tracking import replay
+from reservoir.tracking.trackers import configured
+from tests.commands import RESERVOIR, command_env
+from tests.test_run import run_config
+
+pytestmark = pytest.mark.slow
+
+
+def run_steps(db_url: str) -> dict[int, tuple]:
+    """{step: (loss, reward_mean)} of run r, as analytics.run_steps says."""
+    with Store(db_url) as store, store.engine.connect() as conn:
+        return {row.step: (row.loss, row.reward_mean) for row in conn.execute(text(
+            "SELECT step, loss, reward_mean FROM analytics.run_steps WHERE run = 'r'"))}
+
+
+def tensorboard_series(folder: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] \
+        else []
+
+
+def mlflow_series(uri: str, tag: str) -> list[tuple[int, float]]:
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # mlflow 3 opts in to a file store so
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("reservoir").experiment_id])
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, tag))
+
+
+def _wandb_records(path: str):
+    """The records of a .wandb file (its own framing: 32 KiB blocks of [crc][len][type][data])."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    position, pending, block = 7, b"", 32768
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:
+            position += left
+            continue
+        length, kind = struct.unpack("<HB", data[position + 4:position + 7])
+        chunk = data[position + 7:position + 7 + length]
+        position += 7 + length
+        if len(chunk) < length:
+            break
+        if kind == 0 and length == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_series(folder: Path, tag: str) -> list[tuple[int, float]]:
+    """Every offline run folder's history rows, merged by step."""
+    found = []
+    for path in sorted(glob.glob(str(folder / "wandb" / "offline-run-*" / "*.wandb"))):
+        for record in _wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
+                if tag in row:
+                    found.append((row["_step"], float(row[tag])))
+    return sorted(found)
+
+
+def same(series: list[tuple[int, float]], expected: list[tuple[int, float]]) -> bool:
+    """The same steps, once each, with the same values (float32 in TensorBoard)."""
+    return [step for step, _ in series] == [step for step, _ in expected] and \
+        [value for _, value in series] == pytest.approx([v for _, v in expected], rel=1e-6,
+                                                        abs=1e-7)
+
+
+def tracked_config(tmp_path, db_url, placement: str = "split", **tracking):
+    config = run_config(tmp_path, db_url, explorer={"workers": 1},
+                        trainer={"steps": 4, "eval_interval": 2},
+                        run={"name": "r", "placement": placement})
+    return config.model_copy(update={"tracking": type(config.tracking).model_validate(tracking)})
+
+
+def test_three_trackers_at_once_log_every_step_as_the_store_has_it(tmp_path, db_url,
+                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"file://{tmp_path / 'mlruns'}"
+    config = tracked_config(tmp_path, db_url, tensorboard={"dir": str(tmp_path / "tb")},
+                            mlflow={"tracking_uri": uri}, wandb={"project": "reservoir-test",
+                                                                "dir": str(tmp_path)})
+    assert pool.run(config).steps == 4
+    expected = run_steps(db_url)
+    losses = [(s, loss) for s, (loss, _) in sorted(expected.items()) if loss is not None]
+    rewards = [(s, r) for s, (_, r) in sorted(expected.items()) if r is not None]
+    assert len(losses) >= 4 and len(rewards) >= 4
+    for series in (lambda tag: tensorboard_series(tmp_path / "tb" / "r", tag),
+                   lambda tag: mlflow_series(uri, tag),
+                   lambda tag: wandb_series(tmp_path, tag)):
+        assert same(series("loss"), losses) and same(series("reward_mean"), rewards)
+    # tracking again (a resumed run, or runs track) continues where it got to: nothing twice
+    with Store(db_url) as store:
+        assert replay(store, "r", configured(config.tracking)) == 0
+    assert same(tensorboard_series(tmp_path / "tb" / "r", "loss"), losses)
+    assert same(mlflow_series(uri, "loss"), losses)
+
+
+def test_a_tracker_that_cannot_reach_its_server_is_one_warning_and_the_run_finishes(
+        tmp_path, db_url, capfd):
+    config = tracked_config(tmp_path, db_url, "colocated",  # the trainer in this process
+                            mlflow={"tracking_uri": "http://127.0.0.1:9"})
+    assert pool.run(config).steps == 4
+    warnings = [line for line in capfd.readouterr().err.splitlines()
+                if line.startswith("warning: tracker mlflow")]
+    assert len(warnings) == 1, warnings
+
+
+def test_runs_track_replays_a_finished_run_as_live_tracking_logged_it(tmp_path, db_url):
+    import subprocess
+
+    config = tracked_config(tmp_path, db_url, tensorboard={"dir": str(tmp_path / "live")})
+    pool.run(config)
+    done = subprocess.run([RESERVOIR, "runs", "track", "r", str(tmp_path / "later"), "--to",
+                           "tensorboard"], env=command_env(db_url), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "steps logged to tensorboard" in done.stdout
+    for tag in ("loss", "reward_mean", "eval/accuracy"):
+        assert tensorboard_series(tmp_path / "later" / "r", tag) == \
+            tensorboard_series(tmp_path / "live" / "r", tag)
+    again = subprocess.run([RESERVOIR, "runs", "track", "r", str(tmp_path / "later"), "--to",
+                            "tensorboard"], env=command_env(db_url), capture_output=True,
+                           text=True, timeout=120)
+    assert "0 steps logged" in again.stdout  # it continues where it got to
+
+
+@pytest.fixture(autouse=True)
+def _quiet_trackers(monkeypatch):
+    for name in ("WANDB_MODE", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    for name in ("WANDB_MODE", "MLFLOW_ALLOW_FILE_STORE"):
+        os.environ.pop(name, None)
