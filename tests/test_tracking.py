@@ -162,3 +162,32 @@ def _quiet_trackers(monkeypatch):
     yield
     for name in ("WANDB_MODE", "MLFLOW_ALLOW_FILE_STORE"):
         os.environ.pop(name, None)
+
+
+@pytest.mark.process
+def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, db_url):
+    """SIGKILL mid-run, then --resume: the same MLflow run continues, and TensorBoard and
+    MLflow hold every step once, with the store's values."""
+    import signal
+
+    from tests.test_colocated import colocated
+    from tests.test_recovery import finish, query, start, wait_for, write_config
+
+    uri = f"file://{tmp_path / 'mlruns'}"
+    raw = colocated(tmp_path, db_url, trainer={"steps": 8, "checkpoint_interval": 3,
+                                               "eval_interval": 100,
+                                               "checkpoint_dir": str(tmp_path / "ckpt")})
+    raw["tracking"] = {"tensorboard": {"dir": str(tmp_path / "tb")},
+                       "mlflow": {"tracking_uri": uri}}
+    config = write_config(tmp_path / "run.yaml", raw)
+    victim = start("run", str(config), cwd=tmp_path)
+    wait_for(lambda: query(db_url, "SELECT 1 FROM run_trackers WHERE last_step >= 4"))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    finish(start("run", str(config), "--resume", cwd=tmp_path))
+    expected = sorted((step, loss) for step, loss in query(
+        db_url, "SELECT step, loss FROM analytics.run_steps WHERE loss IS NOT NULL"))
+    assert [step for step, _ in expected][-1] == 8
+    run_name = raw["run"]["name"]
+    assert same(tensorboard_series(tmp_path / "tb" / run_name, "loss"), expected)
+    assert same(mlflow_series(uri, "loss"), expected)  # one MLflow run, continued

@@ -2,7 +2,7 @@
 
 While a trainer runs, `follow` starts a thread of its own (never the training thread) that
 every POLL_S reads the steps committed since each tracker's last one (store.ledger.steps_after)
-and logs them, then records how far it got (store.trackers): a run resumed after a crash, or
+and logs them (all but the newest, whose evaluation may still be added to it), then records how far it got (store.trackers): a run resumed after a crash, or
 `reservoir runs track` later, continues the same tracker run and logs no step twice. When the
 trainer ends, the thread logs what is left and closes the trackers. A tracker that fails
 (a server down, a full disk) is one warning on stderr and is dropped; the run goes on.
@@ -17,7 +17,7 @@ import threading
 from typing import Iterator
 
 from reservoir.errors import ReservoirError, StoreError
-from reservoir.tracking.trackers import configured
+from reservoir.tracking.trackers import STEP_KEY, configured
 
 POLL_S = 1.0
 BATCH = 500  # steps read per query
@@ -48,17 +48,22 @@ class _Following:
     def _start(self, tracker, params: dict) -> None:
         state = self.store.trackers.state_of(self.run_id, tracker.kind, tracker.destination)
         external_id = tracker.start(self.run, params, state.external_id)
+        last = max(state.last_step, tracker.last_logged())  # killed between log and record
         self.store.trackers.save_state(self.run_id, tracker.kind, tracker.destination,
-                                       external_id, state.last_step)
+                                       external_id, last)
         self.live.append((tracker, external_id))
-        self.last[tracker.kind] = state.last_step
+        self.last[tracker.kind] = last
 
-    def catch_up(self) -> int:
-        """Log every committed step each tracker has not logged; returns how many."""
+    def catch_up(self, hold_newest: bool = False) -> int:
+        """Log every committed step each tracker has not logged; returns how many. With
+        `hold_newest` (while the trainer runs) the newest step waits for the next one: its
+        held-out evaluation is merged into it after it commits."""
         logged = 0
         for tracker, external_id in list(self.live):
             while True:
                 steps = self.store.ledger.steps_after(self.run_id, self.last[tracker.kind], BATCH)
+                if hold_newest and len(steps) < BATCH:
+                    steps = steps[:-1]
                 if not steps or not self._guard(tracker, lambda: self._log(tracker, steps)):
                     break
                 self.last[tracker.kind] = steps[-1][0]
@@ -70,7 +75,7 @@ class _Following:
     @staticmethod
     def _log(tracker, steps) -> None:
         for step, stage, loss, metrics, _ in steps:
-            tracker.log(step, _scalars(loss, metrics), stage)
+            tracker.log(step, {**_scalars(loss, metrics), STEP_KEY: float(step)}, stage)
 
     def close(self) -> None:
         for tracker, _ in self.live:
@@ -116,7 +121,7 @@ def follow(config, store) -> Iterator[None]:
 
     def loop() -> None:
         while not stop.wait(POLL_S):
-            following.catch_up()
+            following.catch_up(hold_newest=True)
 
     thread = threading.Thread(target=loop, name="trackers", daemon=True)
     thread.start()

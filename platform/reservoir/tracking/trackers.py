@@ -1,8 +1,10 @@
 """One class per tracker library, each imported only when configured.
 
 A tracker takes a run's steps in order: `start(run, params, external_id)` opens (or, given the
-id it returned before, continues) its run and returns its id; `log(step, scalars, stage)` and
-`close()`. Libraries are asked not to reach the network unless told to (W&B offline, MLflow's
+id it returned before, continues) its run and returns its id; `last_logged()` is the last step
+its own records hold (a process killed between logging a step and recording it in the store
+logs it no second time); `log(step, scalars, stage)` and `close()`. Each step carries
+`reservoir/step`, so the last one logged is read back from the tracker itself. Libraries are asked not to reach the network unless told to (W&B offline, MLflow's
 retries bounded), since a tracker must never slow or stop a run.
 """
 
@@ -13,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+STEP_KEY = "reservoir/step"  # logged with every step: the last one is read back from it
+
 
 class TensorBoard:
     """Event files in `dir/<run>` (tensorboard's own event writer: no torch or TensorFlow)."""
@@ -21,15 +25,28 @@ class TensorBoard:
 
     def __init__(self, settings) -> None:
         self.destination = str(Path(settings.dir).resolve())
-        self.writer, self.stage = None, None
+        self.writer, self.stage, self.run = None, None, None
 
     def start(self, run: str, params: dict[str, Any], external_id: str | None) -> str:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+        self.run = run
         self.writer = EventFileWriter(str(Path(self.destination) / run), flush_secs=5)
         if external_id is None:
             self._text(0, "config", "\n".join(f"    {k}: {v}" for k, v in sorted(params.items())))
         return run
+
+    def last_logged(self) -> int:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        folder = Path(self.destination) / self.run
+        if not folder.exists():
+            return -1
+        events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        events.Reload()
+        if STEP_KEY not in events.Tags()["scalars"]:
+            return -1
+        return max(int(e.step) for e in events.Scalars(STEP_KEY))
 
     def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
         from tensorboard.compat.proto import event_pb2
@@ -86,6 +103,10 @@ class Mlflow:
             self.client.log_param(self.run_id, key, str(value)[:6000])
         return self.run_id
 
+    def last_logged(self) -> int:
+        history = self.client.get_metric_history(self.run_id, STEP_KEY)
+        return max((int(m.step) for m in history), default=-1)
+
     def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
         from mlflow.entities import Metric
 
@@ -125,6 +146,9 @@ class Wandb:
                               mode=self.settings.mode, dir=str(folder), name=run,
                               id=external_id, resume="allow", config=params)
         return self.run.id
+
+    def last_logged(self) -> int:
+        return -1  # W&B merges a step logged twice into one row
 
     def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
         self.run.log({**scalars, "stage": stage or ""}, step=step)
