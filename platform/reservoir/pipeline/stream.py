@@ -95,10 +95,10 @@ class PipelineWorker:
         self._pass(store, spec, runs, run_ids, self.stats)
         return self.stats
 
-    def _new_tasks_data(self, store: Store, runs: list[str]) -> bool:
+    def _new_tasks_data(self, store: Store, run_ids: list[int]) -> bool:
         """A stream over tasks passes once rows were written to its runs since its last pass
         (each pass reads the tasks its source selects: pass rates, difficulty, priority)."""
-        written = sum(store.runs.snapshot(name)["rows_inserted"] for name in runs)
+        written = store.runs.rows_written(run_ids)
         if written == self._written:
             return False
         self._written = written
@@ -127,7 +127,7 @@ class PipelineWorker:
               stats: StreamStats) -> tuple[str, bool]:
         """('ended': its runs ended and nothing is left, 'idle': nothing to do, or 'ran'),
         and whether one of its runs is failed (its trainer may resume)."""
-        pending = self._new_tasks_data(store, runs) if spec.on_tasks else \
+        pending = self._new_tasks_data(store, run_ids) if spec.on_tasks else \
             store.pipelines.has_rows(run_ids, spec.source.status)
         statuses = [store.runs.status_of(r) for r in run_ids]
         failed = "failed" in statuses

@@ -219,6 +219,12 @@ def latest_versions(conn: Connection, run_ids: list[int]) -> dict[int, int]:
         .where(policy_versions.c.run_id.in_(run_ids)).group_by(policy_versions.c.run_id)).all())
 
 
+def rows_written(conn: Connection, run_ids: list[int]) -> int:
+    """How many rows were ever written to these runs (their counters: no experience read)."""
+    return conn.execute(select(func.coalesce(func.sum(runs.c.rows_inserted), 0))
+                        .where(runs.c.id.in_(run_ids))).scalar_one()
+
+
 def status_of(conn: Connection, run_id: int) -> str:
     return conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar_one()
 
@@ -274,6 +280,7 @@ class Runs(Door):
     listing = reading(listing)
     snapshot = reading(snapshot)
     status_of = reading(status_of)
+    rows_written = reading(rows_written)
     version_by = reading(version_by)
     check_resumable = reading(check_resumable)
     set_status = writing(set_status)
