@@ -23,7 +23,8 @@ CORE_TABLES = {"runs", "tasks", "experience_data", "experience_state", "policy_v
                "preferences", "episodes", "episode_calls", "review_actions"}
 VIEWS = {"experiences", "experience_tokens", "run_steps", "lineage", "runs", "pipeline_runs",
          "operator_events", "validations", "reviews", "tasks", "policy_versions", "schedules",
-         "preferences", "episodes", "episode_calls", "review_actions"}
+         "preferences", "episodes", "episode_calls", "review_actions", "run_gauges",
+         "pipeline_gauges", "schedule_gauges"}
 
 
 @pytest.fixture

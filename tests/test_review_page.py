@@ -177,6 +177,16 @@ def test_writes_need_the_token_a_session_and_its_form_token(held, page_server, d
         assert bad_action.status_code == 422
     assert (query(db_url, "SELECT count(*) FROM review_actions")[0][0],
             query(db_url, "SELECT array_agg(status ORDER BY id) FROM reviews")[0][0]) == before
+    from tests.test_metrics import scrape
+
+    got = scrape(f"{page_server}/metrics")  # every refusal counted, by kind
+    assert got[("reservoir_review_failed_logins_total",)] == 1
+    assert got[("reservoir_http_errors_total", ("kind", "401"))] == 2
+    assert (got[("reservoir_http_errors_total", ("kind", "403"))],
+            got[("reservoir_http_errors_total", ("kind", "422"))]) == (1, 1)
+    assert got[("reservoir_http_requests_total", ("method", "POST"), ("route", "/login"),
+                ("status", "303"))] == 1
+    assert not any(name == "reservoir_review_actions_total" for name, *_ in got)
 
 
 # -- issue 28: a page for one run, tokens, logins and sessions, pairs, turns -----------------

@@ -146,6 +146,23 @@ def test_calls_are_recorded_then_feedback_makes_them_experiences_that_train(serv
     wait_for(lambda: published(base, 1), timeout=30)
     client.chat.completions.create(model="agent", messages=USER, user="episode-c")
     assert query(db_url, "SELECT policy_version FROM episode_calls") == [(1,)]
+    # its /metrics, read by prometheus_client, as the store has it
+    from tests.test_metrics import scrape
+
+    got = scrape(f"{base[:-3]}/metrics")
+    stored = query(db_url, "SELECT (SELECT count(*) FROM experiences) + (SELECT count(*) FROM "
+                           "episode_calls), (SELECT count(*) FROM episodes WHERE group_id IS "
+                           "NOT NULL)")[0]
+    assert got[("reservoir_serve_responses_recorded_total",)] == stored[0] == 6
+    assert got[("reservoir_serve_episodes_reported_total",)] == stored[1] == 2
+    assert got[("reservoir_serve_tokens_total", ("kind", "completion"))] > 0
+    completions = ("reservoir_http_requests_total", ("method", "POST"),
+                   ("route", "/v1/chat/completions"))
+    assert got[(*completions, ("status", "200"))] == 4
+    assert got[(*completions, ("status", "409"))] == 3  # the openai client tried 3 times
+    assert got[("reservoir_http_errors_total", ("kind", "409"))] == 4  # and the feedback's
+    assert got[("reservoir_http_request_duration_seconds_count",
+                ("route", "/v1/chat/completions"))] == 7
 
 
 def test_bad_requests_get_openai_errors_and_store_nothing(served, db_url):

@@ -25,12 +25,13 @@ LAYERS = [  # (layer, module prefixes), lowest first
     ("plan of a config", ["reservoir.plan.stages", "reservoir.plan.weights"]),
     ("store", ["reservoir.store", "reservoir.migrations"]),
     ("roles", ["reservoir.explorer", "reservoir.trainer", "reservoir.pipeline",
-               "reservoir.operators", "reservoir.tracking"]),
+               "reservoir.operators", "reservoir.tracking", "reservoir.metrics"]),
     ("runs", ["reservoir.prepare", "reservoir.colocated", "reservoir.export", "reservoir.monitor",
               "reservoir.report", "reservoir.demo", "reservoir.agent"]),
     ("pool", ["reservoir.pool"]),
     ("cli", ["reservoir.cli", "reservoir.cli_common", "reservoir.cli_db", "reservoir.cli_output",
-             "reservoir.cli_pipelines", "reservoir.cli_runs", "reservoir.__main__"]),
+             "reservoir.cli_pipelines", "reservoir.cli_runs", "reservoir.cli_metrics",
+             "reservoir.__main__"]),
 ]
 ROLES = ("reservoir.explorer", "reservoir.trainer", "reservoir.pipeline")
 STORE = "reservoir.store"

@@ -11,6 +11,7 @@ import typer
 from reservoir.cli_common import (ConfigOption, WideOption, _config, _open, console,
                                   external_error, fail, target)
 from reservoir.cli_db import db_app
+from reservoir.cli_metrics import metrics_app
 from reservoir.cli_pipelines import pipeline_app, review_app, schedule_app
 from reservoir.cli_runs import runs_app
 from reservoir.errors import ConfigError, ReservoirError
@@ -32,6 +33,7 @@ app.add_typer(pipeline_app, name="pipeline")
 app.add_typer(schedule_app, name="schedule")
 app.add_typer(review_app, name="review")
 app.add_typer(runs_app, name="runs")
+app.add_typer(metrics_app, name="metrics")
 
 
 def main() -> None:

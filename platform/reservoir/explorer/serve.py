@@ -11,6 +11,8 @@ every call as experience.
                                 responses become one group of experiences (raw or ready);
                                 before, none trains
     GET  /health                the run and the policy version served
+    GET  /metrics               Prometheus: requests, latencies, errors by kind, tokens,
+                                responses recorded, episodes reported, the version served
 
 No web page can drive it (reservoir.http.Guard): a request's Host must be an address served,
 its Origin absent or the server's own, a POST's body application/json and at most
@@ -34,7 +36,7 @@ import sys
 import threading
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from reservoir.chat import prompt_ids, render
@@ -43,6 +45,7 @@ from reservoir.errors import (ConfigError, EpisodeClosed, EpisodeForbidden, Epis
                               ExperienceInvalid, FlowControlTimeout)
 from reservoir.explorer.batcher import Batcher
 from reservoir.http import Guard, is_loopback, loads, served_hosts
+from reservoir.metrics.requests import MISSING, for_service
 from reservoir.explorer.engine import Request, take_policy
 from reservoir.explorer.engines import make_engine
 from reservoir.explorer.openai_api import (ApiError, ChatRequest, Limits, bad, completion,
@@ -77,6 +80,7 @@ class Server:
         self.store = Store.open(config, quiet=True)
         self.run_id = self.store.run_id(config.run.name)
         self.batcher = Batcher(make_engine(config, seed=config.run.seed))
+        self.metrics = for_service("serve")
         self.reload()  # the tag stays None (nothing served) until the trainer publishes
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow, name="policy", daemon=True)
@@ -107,6 +111,10 @@ class Server:
                     if not is_outage(exc):
                         print(f"warning: still serving policy version {self.version}: "
                               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    def count(self, name: str, amount: float, *labels: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count(name, amount, *labels)
 
     def check_token(self, header: str | None) -> None:
         if self.token is None:
@@ -154,6 +162,9 @@ class Server:
                       finish_reason(sample)) for index, sample in enumerate(samples)]
         # the last thing: a failure above stores nothing
         _, made = self.store.episodes.record_calls(self.run_id, episode, calls, secret=secret)
+        self.count("recorded", len(calls))
+        self.count("tokens", len(samples[0].prompt_ids), "prompt")
+        self.count("tokens", sum(len(sample.response_ids) for sample in samples), "completion")
         return response, episode, made, request
 
     def feedback(self, body, secret_header: str | None) -> dict:
@@ -170,6 +181,7 @@ class Server:
         status = written_status(self.config.pipelines)
         written = self.store.write_groups([rewarded(episode.group, rewards, components)],
                                           status=status, before_copy=closing(episode, given.reward))
+        self.count("reported", 1)
         return {"episode_id": given.episode, "responses": written.rows, "status": status,
                 "group_id": str(written.group_ids[0]), "policy_version":
                 episode.group[0].policy_version}
@@ -189,7 +201,9 @@ def create_app(server: Server) -> Guard:
     """The API behind its guard (reservoir.http.Guard), for the address it is served on."""
     serve = server.config.serve
     hosts = served_hosts(serve.host, serve.port, serve.allowed_hosts)
-    return Guard(_api(server), hosts=hosts, json_posts=True, max_body=serve.max_request_bytes,
+    api = _api(server)
+    return Guard(api if server.metrics is None else server.metrics.wrap(api), hosts=hosts,
+                 json_posts=True, max_body=serve.max_request_bytes,
                  refuse=lambda status, message: JSONResponse(ApiError(status, message).body(),
                                                              status_code=status))
 
@@ -252,6 +266,14 @@ def _api(server: Server) -> FastAPI:
     def health() -> dict:
         return {"run": server.config.run.name, "model": server.model,
                 "policy_version": server.version}
+
+    @app.get("/metrics")
+    def metrics(request: HttpRequest) -> Response:
+        authorised(request)
+        if server.metrics is None:
+            return PlainTextResponse(MISSING, status_code=501)
+        body, kind = server.metrics.exposition()
+        return Response(body, media_type=kind)
 
     return app
 

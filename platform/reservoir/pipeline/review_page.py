@@ -8,6 +8,8 @@ Server-rendered HTML (Jinja2, autoescaped; no build step, no script). Pages:
     /actions   the latest review actions: who did what, when, on which rows
     /login     reviewer name and token (POST only): a session on the server, its id in an
                HttpOnly, SameSite=Strict cookie that expires; logging out ends it
+    /metrics   Prometheus: requests, latencies, errors by kind, actions recorded, failed
+               logins (bound elsewhere than loopback: the review token as a bearer token)
 
 Writing needs the token (RESERVOIR_REVIEW_TOKEN, at least 16 characters, 8 of them different;
 else one made for this server and printed apart from its address); every form carries a CSRF
@@ -39,6 +41,7 @@ from tokenizers import Tokenizer
 
 from reservoir.errors import ConfigError, ReservoirError, RowUnknown
 from reservoir.http import Guard, served_hosts
+from reservoir.metrics.requests import MISSING, for_service
 from reservoir.pipeline.review_templates import TEMPLATES
 from reservoir.store import MASK, TOKEN, Store, decode
 
@@ -73,6 +76,11 @@ class Reviewing:
         self.failures: dict[str, deque] = {}                # address: times of failed logins
         self.templates = Environment(loader=DictLoader(TEMPLATES), autoescape=True)
         self.templates.globals["run"] = run
+        self.metrics = for_service("review")
+
+    def count(self, counter: str, *labels: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count(counter, 1, *labels)
 
     def open_session(self, reviewer: str) -> str:
         session = secrets.token_urlsafe(32)
@@ -155,7 +163,9 @@ def with_turns(row: dict) -> dict:
 
 def create_app(reviewing: Reviewing, host: str, port: int) -> Guard:
     """The pages behind reservoir.http.Guard, for the address they are served on."""
-    return Guard(_pages(reviewing), hosts=served_hosts(host, port), json_posts=False,
+    pages = _pages(reviewing)
+    return Guard(pages if reviewing.metrics is None else reviewing.metrics.wrap(pages),
+                 hosts=served_hosts(host, port), json_posts=False,
                  max_body=MAX_FORM_BYTES,
                  refuse=lambda status, message: PlainTextResponse(message, status_code=status))
 
@@ -180,9 +190,10 @@ def _pages(reviewing: Reviewing) -> FastAPI:
             raise Refused(403, "the form's token does not match your session; reload the page")
         return reviewer
 
-    def act(action) -> None:
+    def act(name: str, action) -> None:
         try:
             action()
+            reviewing.count("actions", name)
         except RowUnknown as exc:
             raise Refused(404, str(exc)) from None
         except ReservoirError as exc:
@@ -200,12 +211,12 @@ def _pages(reviewing: Reviewing) -> FastAPI:
         reviewer = writer(request, csrf)
         values = labels(note, tags)
         if action == "label":
-            act(lambda: reviewing.store.reviews.set_label(review_id, reviewer=reviewer,
-                                                          values=values, run=reviewing.run))
+            act(action, lambda: reviewing.store.reviews.set_label(
+                review_id, reviewer=reviewer, values=values, run=reviewing.run))
         elif action in ("accept", "reject"):
-            act(lambda: reviewing.store.reviews.label(review_id, verdict=action,
-                                                      reviewer=reviewer, values=values,
-                                                      source="web", run=reviewing.run))
+            act(action, lambda: reviewing.store.reviews.label(
+                review_id, verdict=action, reviewer=reviewer, values=values, source="web",
+                run=reviewing.run))
         else:
             raise Refused(400, f"action {action[:20]!r}: accept, reject or label")
         return RedirectResponse(f"/?done={action}+{review_id}", status_code=303)
@@ -221,8 +232,8 @@ def _pages(reviewing: Reviewing) -> FastAPI:
     def choose(request: Request, chosen: int = Form(...), rejected: int = Form(...),
                after: int = Form(0), csrf: str = Form("")) -> Response:
         reviewer = writer(request, csrf)
-        act(lambda: reviewing.store.reviews.prefer(chosen, rejected, reviewer=reviewer,
-                                                   source="web", run=reviewing.run))
+        act("prefer", lambda: reviewing.store.reviews.prefer(
+            chosen, rejected, reviewer=reviewer, source="web", run=reviewing.run))
         return RedirectResponse(f"/compare?after={after}&done=prefer+{chosen}", status_code=303)
 
     @app.get("/actions", response_class=HTMLResponse)
@@ -241,6 +252,7 @@ def _pages(reviewing: Reviewing) -> FastAPI:
         address = request.client.host if request.client else "?"
         wait = reviewing.locked_out(address)
         if wait:
+            reviewing.count("failed_logins")
             raise Refused(429, f"too many failed logins from {address}: try again in "
                                f"{wait:.0f} s")
         reviewer = reviewer.strip()
@@ -248,12 +260,25 @@ def _pages(reviewing: Reviewing) -> FastAPI:
             raise Refused(400, "a reviewer name is 1 to 100 letters, digits, spaces or . @ _ -")
         if not hmac.compare_digest(token.encode(), reviewing.token.encode()):
             reviewing.failures[address].append(time.monotonic())
+            reviewing.count("failed_logins")
             await asyncio.sleep(FAILURE_DELAY_S)
             raise Refused(401, "wrong token")
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(COOKIE, reviewing.open_session(reviewer), max_age=SESSION_SECONDS,
                             httponly=True, samesite="strict")
         return response
+
+    @app.get("/metrics")
+    def metrics(request: Request) -> Response:
+        if not reviewing.open_reading:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), reviewing.token.encode()):
+                return PlainTextResponse("pass the review token: Authorization: Bearer TOKEN",
+                                         status_code=401)
+        if reviewing.metrics is None:
+            return PlainTextResponse(MISSING, status_code=501)
+        body, kind = reviewing.metrics.exposition()
+        return Response(body, media_type=kind)
 
     @app.post("/logout")
     def logout(request: Request) -> Response:

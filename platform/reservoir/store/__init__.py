@@ -31,6 +31,7 @@ _EXPORTS = {
     # SQL a person typed, and what the CLI shows
     "run_sql": "inspect", "run_summary": "inspect", "experience_detail": "inspect",
     "DEMO_RUNS": "inspect", "DEMO_STEPS": "inspect", "DEMO_TRAINED": "inspect",
+    "read_gauges": "gauges",
     # archives and retention
     "archive_run": "archive", "restore_run": "archive", "apply_retention": "archive",
     # looking after a store: its embedded server, schema revision and logins' passwords

@@ -19,7 +19,8 @@ SCHEMA_PRESENT = ("SELECT to_regclass('public.alembic_version') IS NOT NULL "
 
 
 @asynccontextmanager
-async def connect(url: str, *, check_schema: bool = True) -> AsyncIterator:
+async def connect(url: str, *, check_schema: bool = True,
+                  timeout_s: float = 10.0) -> AsyncIterator:
     """An asyncpg connection to `url` (json and jsonb decoded), closed afterwards (without
     waiting for the server's end of it when idle).
 
@@ -28,7 +29,7 @@ async def connect(url: str, *, check_schema: bool = True) -> AsyncIterator:
     import asyncpg
 
     try:
-        conn = await asyncpg.connect(url, timeout=10)
+        conn = await asyncpg.connect(url, timeout=timeout_s)
     except Exception as exc:  # refused, unknown host or role, bad URL option: one line
         user = urls.user_of(url)
         hint = ""

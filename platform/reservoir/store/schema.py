@@ -296,6 +296,8 @@ pipeline_runs = Table(
     CheckConstraint(f"status IN {PIPELINE_STATUSES}", name="pipeline_runs_status_valid"),
     Index("pipeline_runs_pipeline", "pipeline", "started_at"),
     Index("pipeline_runs_running", "id", postgresql_where=text("status = 'running'")),
+    Index("pipeline_runs_schedule_success", "schedule_id", "finished_at",
+          postgresql_where=text("status = 'succeeded'")),
 )
 
 operator_events = Table(

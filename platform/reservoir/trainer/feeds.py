@@ -98,6 +98,12 @@ class Feed:
 
 
 class ExplorerFeed(Feed):
+    """Leases whole groups; each step's metrics carry wait_s (the lease, waits for rows
+    included) and commit_s (the previous step's commit: a step's own is known only after
+    it is recorded)."""
+
+    commit_s: float | None = None
+
     def draw(self, step: int) -> Draw | None:
         waited = time.monotonic()
         lease = self._lease(self.stage.batch)
@@ -111,7 +117,7 @@ class ExplorerFeed(Feed):
         store, name = self.context.store, self.context.config.run.name
 
         def commit(step: int, metrics: dict) -> None:
-            retried = []
+            retried, started = [], time.monotonic()
 
             def once() -> None:  # a commit whose answer was lost may have gone through
                 if retried and store.step_committed(name, step):
@@ -120,8 +126,12 @@ class ExplorerFeed(Feed):
                                   loss=metrics["loss"], metrics=metrics, stage=self.stage.name)
             self.context.patience(once, f"trainer step {step}",
                                   before_retry=lambda: retried.append(1))
+            self.commit_s = time.monotonic() - started
+        timing = {"wait_s": time.monotonic() - waited}
+        if self.commit_s is not None:
+            timing["commit_s"] = self.commit_s
         return Draw(rows, self._batch(rows), commit, lambda: store.release(lease),
-                    {"wait_s": time.monotonic() - waited, "partial_groups": len(partial),
+                    {**timing, "partial_groups": len(partial),
                      "partial_group_rows": sum(got for got, _ in partial.values()),
                      **({"dynamic/set_aside_groups": set_aside}
                         if self.context.config.sampler.dynamic_sampling else {})})
