@@ -206,10 +206,10 @@ def test_the_worker_runs_in_the_main_thread_and_a_second_ctrl_c_leaves_at_once(s
     started = time.monotonic()
     monitor = Monitor(store, "nothing", 1)
     if ctrl_cs == 1:
-        assert pool._in_front(worker, monitor, Console(quiet=True)) == "stopped"
+        assert pool._in_front(worker, monitor, Console(quiet=True), True) == "stopped"
     else:
         with pytest.raises(Abandoned):
-            pool._in_front(worker, monitor, Console(quiet=True))
+            pool._in_front(worker, monitor, Console(quiet=True), True)
         assert time.monotonic() - started < 5
     assert worker.thread is threading.main_thread() and worker.asked.is_set()
     assert signal.getsignal(signal.SIGINT) is handler  # put back

@@ -20,7 +20,7 @@ from tools.imports import Graph, read
 LAYERS = [  # (layer, module prefixes), lowest first
     ("base", ["reservoir.errors", "reservoir.yamlfile", "reservoir.registry", "reservoir.chat",
               "reservoir.devices", "reservoir.models", "reservoir.http", "reservoir.plan",
-              "reservoir.sqlcheck", "reservoir"]),
+              "reservoir.sqlcheck", "reservoir.logs", "reservoir"]),
     ("config", ["reservoir.config"]),
     ("plan of a config", ["reservoir.plan.stages", "reservoir.plan.weights"]),
     ("store", ["reservoir.store", "reservoir.migrations"]),

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -172,12 +173,34 @@ def model_export(
 
 def _end_run(summary) -> None:
     """The run's summary line; exit code 130 when it was stopped by Ctrl-C."""
+    from reservoir.logs import say
+
     curve = ", ".join(f"{step if isinstance(step, str) else f'step {step}'}: {accuracy:.2f}"
                       for step, accuracy in summary.accuracy)
-    console.print(f"run {summary.run!r}: {summary.steps} steps, policy version "
-                  f"{summary.version}; held-out accuracy {curve}")
+    say("reservoir", f"run {summary.run!r}: {summary.steps} steps, policy version "
+                     f"{summary.version}; held-out accuracy {curve}")
     if summary.stopped:
         sys.exit(130)
+
+
+LogFormatOption = typer.Option("text", "--log-format", case_sensitive=False,
+                               help="Log lines as text (with the live table) or as JSON "
+                               "objects, one a line (no live table): text | json.")
+LogFileOption = typer.Option(None, "--log-file", help="Also write every log line to this "
+                             "file (whole lines, no colour), as --log-format says.")
+
+
+@contextmanager
+def _logged(log_format: str, log_file: Optional[Path]) -> Iterator[bool]:
+    """The run's log lines on the console and in --log-file; yields whether the live table
+    shows."""
+    from reservoir.logs import LogOptions, output
+
+    if log_format.lower() not in ("text", "json"):
+        raise ConfigError(f"--log-format: {log_format!r} is not text or json")
+    options = LogOptions(log_format.lower(), log_file)
+    with output(console, options):
+        yield options.format == "text"
 
 
 ResumeOption = typer.Option(False, help="Continue from the last checkpoint.")
@@ -197,35 +220,47 @@ def _branched(config, source: Optional[str]):
 
 @app.command("run")
 def run_command(config: Path = typer.Argument(..., help="Run config YAML."),
-                resume: bool = ResumeOption, source: Optional[str] = FromOption) -> None:
+                resume: bool = ResumeOption, source: Optional[str] = FromOption,
+                log_format: str = LogFormatOption, log_file: Optional[Path] = LogFileOption
+                ) -> None:
     """Run RFT: a trainer and explorer workers (Ray) meeting in the store, shown live."""
     from reservoir import pool
 
-    _end_run(pool.run(_branched(_config(config), source), resume=resume, console=console))
+    with _logged(log_format, log_file) as view:
+        _end_run(pool.run(_branched(_config(config), source), resume=resume, console=console,
+                          view=view))
 
 
 @app.command("explore")
 def explore_command(config: Path = typer.Argument(..., help="Run config YAML."),
                     workers: Optional[int] = typer.Option(
-                        None, help="Explorer workers (default: explorer.workers).")) -> None:
+                        None, help="Explorer workers (default: explorer.workers)."),
+                    log_format: str = LogFormatOption,
+                    log_file: Optional[Path] = LogFileOption) -> None:
     """Explorers only: claim tasks, write groups, follow published policies until the run ends."""
     from reservoir import pool
+    from reservoir.logs import say
 
     loaded = _config(config)
     if workers is not None:
         loaded = loaded.model_copy(update={
             "explorer": loaded.explorer.model_copy(update={"workers": workers})})
-    for stats in pool.explore(loaded, console=console):
-        console.print(stats.line(), markup=False, highlight=False)
+    with _logged(log_format, log_file) as view:
+        for stats in pool.explore(loaded, console=console, view=view):
+            say("reservoir", stats.line())
 
 
 @app.command("train")
 def train_command(config: Path = typer.Argument(..., help="Run config YAML."),
-                  resume: bool = ResumeOption, source: Optional[str] = FromOption) -> None:
+                  resume: bool = ResumeOption, source: Optional[str] = FromOption,
+                  log_format: str = LogFormatOption, log_file: Optional[Path] = LogFileOption
+                  ) -> None:
     """The trainer only: lease, train, commit, publish; explorers run elsewhere."""
     from reservoir import pool
 
-    _end_run(pool.train(_branched(_config(config), source), resume=resume, console=console))
+    with _logged(log_format, log_file) as view:
+        _end_run(pool.train(_branched(_config(config), source), resume=resume,
+                            console=console, view=view))
 
 
 @app.command("serve")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.live import Live
@@ -80,10 +80,14 @@ def _fmt(value, digits: int = 2) -> str:
 
 
 @contextmanager
-def live(monitor: Monitor, console: Console) -> Iterator[Live]:
-    """A Live display the caller refreshes with `view.update(monitor.render())`."""
+def live(monitor: Monitor, console: Console, shown: bool = True) -> Iterator[Callable[[], None]]:
+    """A Live display of the monitor; the caller refreshes it with the function given. Not
+    `shown` (log lines as JSON): nothing is displayed and refreshing does nothing."""
+    if not shown:
+        yield lambda: None
+        return
     with Live(monitor.render(), console=console, refresh_per_second=2,
               auto_refresh=False) as view:
-        yield view
+        yield lambda: view.update(monitor.render(), refresh=True)
         view.update(monitor.render(), refresh=True)
     console.print()

@@ -10,8 +10,10 @@ stopped; explorers give their claimed tasks back. A second Ctrl-C stops at once.
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
+import uuid
 import threading
 from functools import partial
 from pathlib import Path
@@ -27,6 +29,7 @@ from reservoir.explorer.evaluate import held_out_accuracy
 from reservoir.explorer.worker import ExplorerStats, ExplorerWorker
 from reservoir.explorer.workflow import make_workflow
 from reservoir.http import check_free, run_app, url_of
+from reservoir.logs import Relay, replay, say, warn
 from reservoir.monitor import Monitor, live
 from reservoir.pipeline.stream import PipelineWorker, stream_spec
 from reservoir.plan.weights import branch_checkpoint, check_model
@@ -36,46 +39,51 @@ from reservoir.trainer.worker import RunSummary, TrainerWorker
 from reservoir.plan.stages import total_steps
 
 EXPLORER_RESTARTS = 3  # Ray restarts a dead explorer actor this often, and retries its run
+DRIVER = "reservoir"   # the driver's own log lines' worker
+STOPPING = "stopping: workers finish their step and checkpoint (Ctrl-C again to abort)"
 
 
-def run(config: ReservoirConfig, *, resume: bool = False,
-        console: Console | None = None) -> RunSummary:
+def run(config: ReservoirConfig, *, resume: bool = False, console: Console | None = None,
+        view: bool = True) -> RunSummary:
     """Trainer and explorer pools on Ray, until the trainer is done or Ctrl-C; a colocated
-    run is one process (`train`)."""
+    run is one process (`train`). `view`: the live table (else only the log lines)."""
     if config.run.placement == "colocated":
-        return train(config, resume=resume, console=console)
+        return train(config, resume=resume, console=console, view=view)
     import ray
 
     console = console or Console()
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config, resume=resume)  # a refusal comes before Ray starts
-        with _ray(config):
+        with _ray(config) as relay:
             gpus = gpu_shares(config, ray.cluster_resources().get("GPU", 0))
             config = _ray_devices(config, gpus)
             trainer = _actor(TrainerWorker, gpus=gpus["trainer"]).remote(
-                config, resume=resume, evaluate=partial(held_out_accuracy, config))
+                config, resume=resume, evaluate=partial(held_out_accuracy, config),
+                relay=relay.name)
             explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS, gpus["explorer"]).remote(
-                config, index) for index in range(config.explorer.workers)]
-            streams = [_actor(PipelineWorker, EXPLORER_RESTARTS).remote(config, path,
-                                                                        [config.run.name])
-                       for path in config.pipelines]
+                config, index, relay=relay.name) for index in range(config.explorer.workers)]
+            streams = [_actor(PipelineWorker, EXPLORER_RESTARTS).remote(
+                config, path, [config.run.name], relay=relay.name) for path in config.pipelines]
             workers = [trainer, *explorers, *streams]
             done, explored = trainer.run.remote(), [w.run.remote() for w in explorers]
             streamed = [w.run.remote() for w in streams]
             _supervise(Monitor(store, config.run.name, total_steps(config)), console,
                        finished=lambda wait: bool(ray.wait([done], timeout=wait)[0]),
-                       stop=lambda: [w.request_stop.remote() for w in workers])
+                       stop=lambda: [w.request_stop.remote() for w in workers],
+                       drain=relay.drain, view=view)
             try:
                 summary = _unwrap(lambda: ray.get(done))
             finally:  # its explorers and streams would wait for a failed trainer to resume
+                relay.drain()
                 for worker in workers[1:]:
                     worker.request_stop.remote()
-            _report(explored + streamed, console)
+            _report(explored + streamed)
+            relay.drain()
     return summary
 
 
-def _report(refs: list, console: Console) -> None:
+def _report(refs: list) -> None:
     """One line per explorer or pipeline worker; one that failed for good is reported, not
     raised (the run is the trainer's: it finished)."""
     import ray
@@ -84,16 +92,17 @@ def _report(refs: list, console: Console) -> None:
         try:
             stats = ray.get(ref, timeout=120)
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            console.print(f"[yellow]a worker ended with an error:[/] {str(exc).splitlines()[0]}")
+            warn(DRIVER, f"a worker ended with an error: {str(exc).splitlines()[0]}")
             continue
         if isinstance(stats, ExplorerStats):
-            console.print(stats.line(), markup=False, highlight=False)
+            say(DRIVER, stats.line())
         else:
-            console.print(f"pipeline {stats.pipeline!r}: {stats.passes} passes, "
-                          f"{stats.rows_in} rows in, {stats.rows_out} passed")
+            say(DRIVER, f"pipeline {stats.pipeline!r}: {stats.passes} passes, "
+                        f"{stats.rows_in} rows in, {stats.rows_out} passed")
 
 
-def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[ExplorerStats]:
+def explore(config: ReservoirConfig, *, console: Console | None = None,
+            view: bool = True) -> list[ExplorerStats]:
     """Explorers only: one in this process, or a Ray pool of explorer.workers."""
     if config.run.placement == "colocated":
         raise ConfigError("run.placement is colocated: its trainer explores in its own "
@@ -104,24 +113,28 @@ def explore(config: ReservoirConfig, *, console: Console | None = None) -> list[
         ensure_run(store, config)
         monitor = Monitor(store, config.run.name, total_steps(config))
         if config.explorer.workers == 1:
-            return [_in_front(ExplorerWorker(config), monitor, console)]
+            return [_in_front(ExplorerWorker(config), monitor, console, view)]
         import ray
 
-        with _ray(config):
+        with _ray(config) as relay:
             gpus = gpu_shares(config, ray.cluster_resources().get("GPU", 0), trainer=False)
             config = _ray_devices(config, gpus)
             workers = [_actor(ExplorerWorker, EXPLORER_RESTARTS, gpus["explorer"]).remote(
-                config, index) for index in range(config.explorer.workers)]
+                config, index, relay=relay.name) for index in range(config.explorer.workers)]
             explored = [w.run.remote() for w in workers]
             _supervise(monitor, console,
                        finished=lambda wait: len(ray.wait(explored, num_returns=len(explored),
                                                           timeout=wait)[0]) == len(explored),
-                       stop=lambda: [w.request_stop.remote() for w in workers])
-            return _unwrap(lambda: ray.get(explored))
+                       stop=lambda: [w.request_stop.remote() for w in workers],
+                       drain=relay.drain, view=view)
+            try:
+                return _unwrap(lambda: ray.get(explored))
+            finally:
+                relay.drain()
 
 
-def train(config: ReservoirConfig, *, resume: bool = False,
-          console: Console | None = None) -> RunSummary:
+def train(config: ReservoirConfig, *, resume: bool = False, console: Console | None = None,
+          view: bool = True) -> RunSummary:
     """The trainer only, in this process (with its explorer, in a colocated run)."""
     console = console or Console()
     config = _prepared(config)
@@ -129,9 +142,9 @@ def train(config: ReservoirConfig, *, resume: bool = False,
         ensure_run(store, config, resume=resume)
         monitor = Monitor(store, config.run.name, total_steps(config))
         colocate = Colocated if config.run.placement == "colocated" else None
-        trainer = TrainerWorker(config, resume=resume, console=console,
-                                evaluate=partial(held_out_accuracy, config), colocate=colocate)
-        return _in_front(trainer, monitor, console)
+        trainer = TrainerWorker(config, resume=resume, evaluate=partial(held_out_accuracy, config),
+                                colocate=colocate)
+        return _in_front(trainer, monitor, console, view)
 
 
 def serve(config: ReservoirConfig, *, console: Console | None = None) -> None:
@@ -173,7 +186,7 @@ def _prepared(config: ReservoirConfig) -> ReservoirConfig:
     return config
 
 
-def _in_front(worker, monitor: Monitor, console: Console):
+def _in_front(worker, monitor: Monitor, console: Console, view: bool):
     """worker.run() in this thread while a helper thread shows the run; its result. Torch
     computes here: on a CPU a second thread's OpenMP team measurably slowed a colocated step
     (generation and training ~1.4x slower than the same calls in the main thread). The first
@@ -189,7 +202,7 @@ def _in_front(worker, monitor: Monitor, console: Console):
 
     here = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, interrupted) if here else None
-    viewer = threading.Thread(target=_show, args=(monitor, console, done, stopping),
+    viewer = threading.Thread(target=_show, args=(monitor, console, done, stopping, view),
                               name="monitor", daemon=True)
     viewer.start()
     try:
@@ -202,35 +215,35 @@ def _in_front(worker, monitor: Monitor, console: Console):
 
 
 def _show(monitor: Monitor, console: Console, done: threading.Event,
-          stopping: threading.Event) -> None:
+          stopping: threading.Event, view: bool) -> None:
     """Refresh the live view every half second until `done`; say so once a stop was asked."""
     said = False
-    with live(monitor, console) as view:
+    with live(monitor, console, view) as refresh:
         while not done.wait(0.5):
             if stopping.is_set() and not said:
                 said = True
-                console.print("stopping: workers finish their step and checkpoint "
-                              "(Ctrl-C again to abort)")
-            view.update(monitor.render(), refresh=True)
+                say(DRIVER, STOPPING)
+            refresh()
 
 
 def _supervise(monitor: Monitor, console: Console, *, finished: Callable[[float], bool],
-               stop: Callable[[], object]) -> None:
-    """Refresh the live view until `finished`; the first Ctrl-C calls `stop` and keeps waiting."""
+               stop: Callable[[], object], drain: Callable[[], None], view: bool) -> None:
+    """Refresh the live view and pass the workers' lines on until `finished`; the first
+    Ctrl-C calls `stop` and keeps waiting."""
     stopping = False
-    with live(monitor, console) as view:
+    with live(monitor, console, view) as refresh:
         while True:
             try:
+                drain()
                 if finished(0.5):
                     return
-                view.update(monitor.render(), refresh=True)
+                refresh()
             except KeyboardInterrupt:
                 if stopping:
                     raise
                 stopping = True
                 stop()
-                console.print("stopping: workers finish their step and checkpoint "
-                              "(Ctrl-C again to abort)")
+                say(DRIVER, STOPPING)
 
 
 def _actor(cls, restarts: int = 0, gpus: float = 0):
@@ -270,16 +283,28 @@ def _ray_devices(config: ReservoirConfig, gpus: dict[str, float]) -> ReservoirCo
 
 
 class _ray:
-    """ray.init for the pools (local unless run.ray_address), shut down afterwards."""
+    """ray.init for the pools (local unless run.ray_address), shut down afterwards; the
+    workers' lines come through a relay actor (reservoir.logs), not Ray's echo of their
+    output."""
 
     def __init__(self, config: ReservoirConfig) -> None:
-        self.address = config.run.ray_address
+        self.address, self.actor = config.run.ray_address, None
+        self.name = f"reservoir-logs-{uuid.uuid4().hex[:12]}"  # the relay's, for the workers
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "_ray":
         import ray
 
+        logging.getLogger("ray").propagate = True  # Ray's warnings: lines of ours (logs.output)
         ray.init(address=self.address, include_dashboard=False, configure_logging=False,
-                 log_to_driver=True)
+                 log_to_driver=False)
+        self.actor = ray.remote(num_cpus=0)(Relay).options(name=self.name).remote()
+        return self
+
+    def drain(self) -> None:
+        """Pass the lines the workers said since the last drain on, in the driver."""
+        import ray
+
+        replay(ray.get(self.actor.take.remote(), timeout=60))
 
     def __exit__(self, *exc) -> None:
         import ray

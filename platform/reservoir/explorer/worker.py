@@ -26,6 +26,7 @@ from reservoir.explorer.engines import make_engine
 from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.policy import Sampling
 from reservoir.explorer.workflow import Task, explore, make_workflow
+from reservoir.logs import relayed, say
 from reservoir.store import (POLICY_CHANNEL, Listener, Pace, Patience, Resumption, Store,
                              TaskOrder, finishing, is_outage)
 from reservoir.plan.streams import written_status
@@ -62,8 +63,8 @@ class ExplorerWorker:
     module (a colocated run): it always holds the latest policy, so nothing is loaded."""
 
     def __init__(self, config: ReservoirConfig, index: int = 0, *,
-                 shared: bool = False) -> None:
-        self.config, self.shared = config, shared
+                 shared: bool = False, relay=None) -> None:
+        self.config, self.shared, self.relay = config, shared, relay
         self.name = f"explorer-{index}@{socket.gethostname()}:{os.getpid()}"
         self.seed = config.run.seed + 1000 * (index + 1)
         self.token = uuid.uuid4()
@@ -79,16 +80,21 @@ class ExplorerWorker:
 
     def run(self) -> ExplorerStats:
         """Explore until the run ends or a stop is requested."""
+        with relayed(self.relay, self.name):
+            return self._explore()
+
+    def _explore(self) -> ExplorerStats:
         set_threads(self.config.torch_threads("explorer"))
         torch.manual_seed(self.seed)
         stats = ExplorerStats(self.name)
         engine = make_engine(self.config, seed=self.seed)
-        patience = Patience(self.config.store.outage_patience_s, say=print)
+        patience = Patience(self.config.store.outage_patience_s,
+                            say=lambda line: say(self.name, line))
         with Store.open(self.config, quiet=True) as store, Batcher(engine, inline=True) as batcher, \
                 Listener(store.engine, POLICY_CHANNEL) as listener:
             run_id = store.run_id(self.config.run.name)
             resumption = Resumption(self.config.run.name, self.config.run.resume_wait_s,
-                                    say=lambda line: print(f"{self.name}: {line}", flush=True))
+                                    say=lambda line: say(self.name, line))
             try:
                 while not self._stop.is_set():
                     outcome = patience(lambda: self.round(store, run_id, batcher, stats),
@@ -138,7 +144,7 @@ class ExplorerWorker:
             store.write_groups(groups, status=written_status(self.config.pipelines),
                                before_copy=finishing(self.token, [row[0] for row in claimed]))
         except ClaimLost as exc:
-            print(f"{self.name}: {exc}", flush=True)
+            say(self.name, str(exc))
             return "explored"
         stats.groups += len(claimed)
         return "explored"

@@ -23,6 +23,7 @@ from reservoir.pipeline.runner import run_pipeline
 from reservoir.pipeline.spec import PipelineSpec, load_pipeline
 from reservoir.store import Listener, Patience, Resumption, Store, rows_channel
 from reservoir.errors import ReservoirError
+from reservoir.logs import relayed, say
 
 # Rows written to a run notify its channel, which wakes the stream at once; the poll is a
 # fallback (and the only wake-up of a stream over every run, which has no channel to listen on).
@@ -49,9 +50,10 @@ def stream_spec(path: Path, index: int | None = None) -> PipelineSpec:
 
 
 class PipelineWorker:
-    def __init__(self, config: ReservoirConfig, path: Path, runs: list[str] | None = None):
+    def __init__(self, config: ReservoirConfig, path: Path, runs: list[str] | None = None, *,
+                 relay=None):
         self.config, self.path = config, Path(path)
-        self.runs = runs
+        self.runs, self.relay = runs, relay
         spec = stream_spec(self.path)
         if spec.on_tasks and spec.source.runs == "all" and not runs:
             raise ConfigError(f"{path}: a stream over tasks names its runs (source.runs or "
@@ -65,12 +67,17 @@ class PipelineWorker:
 
     def run(self) -> StreamStats:
         """Pass after pass until asked to stop, or until its runs have ended and it is idle."""
+        with relayed(self.relay, f"pipeline {self.stats.pipeline}"):
+            return self._stream()
+
+    def _stream(self) -> StreamStats:
         spec, stats = stream_spec(self.path), self.stats
         runs = spec.runs_to_read(self.runs)
-        patience = Patience(self.config.store.outage_patience_s, say=print)
+        worker = f"pipeline {spec.name}"
+        patience = Patience(self.config.store.outage_patience_s,
+                            say=lambda line: say(worker, line))
         resumption = Resumption(", ".join(runs), self.config.run.resume_wait_s,
-                                say=lambda line: print(f"pipeline {spec.name}: {line}",
-                                                       flush=True))
+                                say=lambda line: say(worker, line))
         with Store.open(self.config, quiet=True) as store:
             run_ids = patience(lambda: self._run_ids(store, spec, runs), f"pipeline {spec.name}")
             wait_s = POLL_S if run_ids else ALL_RUNS_POLL_S
@@ -113,8 +120,8 @@ class PipelineWorker:
             if not missing:
                 return [found[name] for name in runs]
             if waited == 0:
-                print(f"pipeline {spec.name}: waiting for run {missing[0]!r} to be created (up "
-                      f"to {limit:g} s)", flush=True)
+                say(f"pipeline {spec.name}", f"waiting for run {missing[0]!r} to be created "
+                                             f"(up to {limit:g} s)")
             if self._stop.is_set():
                 return []  # stopping: the loop that would use them does not start
             if waited > limit:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Literal, Sequence
 
-from rich.console import Console
 from sqlalchemy import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from reservoir.config import (DEFAULT_REWARD_RANGE, ReservoirConfig, SamplerConfig,
                               check_reward_range)
 from reservoir.errors import ConfigError
+from reservoir.logs import say
 from reservoir.store import engine as engines
 from reservoir.store import (episodes, ledger, pipelines, preferences, reviews, runs, sampler,
                              schedules, tasks, trackers, writer)
@@ -192,9 +192,8 @@ class Store:
             store.close()
             raise
         if upgraded_to and not quiet:
-            Console(stderr=True).print(
-                f"Empty database at {redact(store.url)}: upgraded its schema to revision "
-                f"{upgraded_to}.", style="green", markup=False, highlight=False, soft_wrap=True)
+            say("store", f"Empty database at {redact(store.url)}: upgraded its schema to "
+                         f"revision {upgraded_to}.")
         return store
 
     @property

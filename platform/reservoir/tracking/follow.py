@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import threading
 from typing import Iterator
 
 from reservoir.errors import ReservoirError, StoreError
+from reservoir.logs import warn
 from reservoir.tracking.trackers import STEP_KEY, configured
 
 POLL_S = 1.0
@@ -89,9 +89,9 @@ class _Following:
             return True
         except Exception as exc:  # a tracker's failure never stops the run
             hint = " (pip install 'reservoir[tracking]')" if isinstance(exc, ImportError) else ""
-            print(f"warning: tracker {tracker.kind} ({tracker.destination}) failed and is "
-                  f"dropped for this run: {type(exc).__name__}: "
-                  f"{' '.join(str(exc).split())[:300]}{hint}", file=sys.stderr, flush=True)
+            warn("trackers", f"tracker {tracker.kind} ({tracker.destination}) failed and is "
+                             f"dropped for this run: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:300]}{hint}")
             self.live = [(t, i) for t, i in self.live if t is not tracker]
             return False
 

@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from rich.console import Console
-
 from reservoir.config import ReservoirConfig
 from reservoir.errors import Abandoned, ConfigError, ReservoirError, StepNotFinite
+from reservoir.logs import relayed, say, warn
 from reservoir.tracking import follow
 from reservoir.plan.weights import branch_checkpoint, check_model
 from reservoir.store import Patience, Store
@@ -44,6 +43,7 @@ from reservoir.plan.stages import Stage, total_steps
 
 PROGRESS_EVERY_S = 1.0  # runs.progress is written at most this often
 NO_SIGNAL_WARN = 0.5    # warn when more groups than this carried no reward variance
+WORKER = "trainer"      # its log lines' worker
 # held-out accuracy of (model, tokenizer) on (id, prompt, answer) tasks; the coordinator
 # supplies it (the trainer does not import the explorer, which owns engines and rewards)
 Evaluate = Callable[[object, object, list], float]
@@ -63,14 +63,13 @@ class RunSummary:
 
 class TrainerWorker:
     def __init__(self, config: ReservoirConfig, *, resume: bool = False,
-                 evaluate: Evaluate | None = None, console: Console | None = None,
-                 colocate: Colocate | None = None) -> None:
+                 evaluate: Evaluate | None = None, colocate: Colocate | None = None,
+                 relay=None) -> None:
         self.config, self.resume, self.evaluate = config, resume, evaluate
-        self.colocate, self.here = colocate, None
-        self.console = console or Console(stderr=True)
+        self.colocate, self.here, self.relay = colocate, None, relay
         self.summary = RunSummary(config.run.name)
-        self.patience = Patience(config.store.outage_patience_s, say=lambda line:
-                                 self.console.print(line, markup=False, highlight=False))
+        self.patience = Patience(config.store.outage_patience_s,
+                                 say=lambda line: say(WORKER, line))
         self._stop = threading.Event()
         self._progress_at = 0.0
         self._no_signal: list[float] = []  # zero-variance shares since the last warning check
@@ -80,6 +79,10 @@ class TrainerWorker:
 
     def run(self) -> RunSummary:
         """Train every stage (or until stopped); the run ends finished or stopped."""
+        with relayed(self.relay, WORKER):
+            return self._run()
+
+    def _run(self) -> RunSummary:
         check_model(self.config)
         torch.set_num_threads(rank_threads(self.config))
         seed_everything(self.config.run.seed)
@@ -138,7 +141,7 @@ class TrainerWorker:
             self.summary.stopped = True
             self._set_status("stopped")
             self._checkpoint()
-            self.console.print(f"stopped after step {self.summary.steps}; checkpoint saved, "
+            say(WORKER, f"stopped after step {self.summary.steps}; checkpoint saved, "
                                "resume with --resume")
         else:
             self._set_status("finished")
@@ -172,9 +175,9 @@ class TrainerWorker:
             self.version = None if published is None else published[0]
             first, origin = resumed.step + 1, f"{checkpoint.name} (step {resumed.step})"
         released = self.store.release_runs(self.config.run.name)
-        self.console.print(f"resumed run {self.summary.run!r} from {origin}; replayed "
-                           f"{max(0, committed - first + 1)} committed steps from the ledger; "
-                           f"released {released} leased rows")
+        say(WORKER, f"resumed run {self.summary.run!r} from {origin}; replayed "
+                    f"{max(0, committed - first + 1)} committed steps from the ledger; "
+                    f"released {released} leased rows")
         return first, committed
 
     # -- the stages ------------------------------------------------------------------------
@@ -205,8 +208,8 @@ class TrainerWorker:
         self.pool.begin_stage(stage, self._checkpoint)  # every rank begins it from the same state
         if stage.explores:
             self._publish(stage.first_step - 1, first=True)
-        self.console.print(f"stage {stage.name!r}: {stage.steps} steps of "
-                           f"{_describe(stage)} (steps {stage.first_step}..{stage.last_step})")
+        say(WORKER, f"stage {stage.name!r}: {stage.steps} steps of {_describe(stage)} "
+                    f"(steps {stage.first_step}..{stage.last_step})")
 
     def _end(self, stage: Stage) -> None:
         step = stage.last_step
@@ -267,10 +270,10 @@ class TrainerWorker:
         if len(self._no_signal) >= window:
             mean = sum(self._no_signal[-window:]) / window
             if mean > NO_SIGNAL_WARN:
-                self.console.print(f"warning: steps {step - window + 1}..{step}: {mean:.0%} of "
-                                   "groups had identical rewards and taught nothing; raise "
-                                   "explorer.n or temperature, make tasks harder or easier, or "
-                                   "drop them (the drop_zero_variance pipeline)")
+                warn(WORKER, f"steps {step - window + 1}..{step}: {mean:.0%} of "
+                             "groups had identical rewards and taught nothing; raise "
+                             "explorer.n or temperature, make tasks harder or easier, or drop "
+                             "them (the drop_zero_variance pipeline)")
             self._no_signal.clear()
 
     def _learn(self, step: int, stage: Stage, rows, batch) -> dict[str, float]:
