@@ -89,6 +89,19 @@ def wandb_series(folder: Path, tag: str) -> list[tuple[int, float]]:
     return sorted(found)
 
 
+def all_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a TensorBoard run folder, and the steps of its samples."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    found = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+             for tag in events.Tags()["scalars"]}
+    if "samples" in events.Tags()["tensors"]:
+        found["samples"] = [(e.step, 0.0) for e in events.Tensors("samples")]
+    return found
+
+
 def same(series: list[tuple[int, float]], expected: list[tuple[int, float]]) -> bool:
     """The same steps, once each, with the same values (float32 in TensorBoard)."""
     return [step for step, _ in series] == [step for step, _ in expected] and \
@@ -110,6 +123,10 @@ def test_three_trackers_at_once_log_every_step_as_the_store_has_it(tmp_path, db_
     config = tracked_config(tmp_path, db_url, tensorboard={"dir": str(tmp_path / "tb")},
                             mlflow={"tracking_uri": uri}, wandb={"project": "reservoir-test",
                                                                 "dir": str(tmp_path)})
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("mode: stream\nsource: {status: [raw]}\n"
+                    "process:\n  - text_length_filter: {min_len: 2}\n")
+    config = config.model_copy(update={"pipelines": [gate]})
     assert pool.run(config).steps == 4
     expected = run_steps(db_url)
     losses = [(s, loss) for s, (loss, _) in sorted(expected.items()) if loss is not None]
@@ -124,6 +141,54 @@ def test_three_trackers_at_once_log_every_step_as_the_store_has_it(tmp_path, db_
         assert replay(store, "r", configured(config.tracking)) == 0
     assert same(tensorboard_series(tmp_path / "tb" / "r", "loss"), losses)
     assert same(mlflow_series(uri, "loss"), losses)
+    the_step_windows_say_what_the_views_say(db_url, tmp_path, uri)
+
+
+WINDOWS = """
+WITH s AS (SELECT step, created_at AS until,
+                  lag(created_at) OVER (ORDER BY step) AS since
+           FROM analytics.run_steps WHERE run = 'r')
+SELECT s.step, {value} FROM s JOIN {view} x ON x.{time} >= s.since AND x.{time} < s.until
+{where} GROUP BY s.step ORDER BY s.step"""
+
+
+def the_step_windows_say_what_the_views_say(db_url: str, tmp_path: Path, uri: str) -> None:
+    """Each step's explorer and pipeline series are the sums, over the window since the step
+    before, that analytics.explorer_rounds and analytics.pipeline_runs give; evaluations carry
+    samples and the run's report went to the trackers as artifacts."""
+    from mlflow.tracking import MlflowClient
+
+    def windows(value: str, view: str, time: str, where: str = "") -> list[tuple]:
+        with Store(db_url) as store, store.engine.connect() as conn:
+            return [(step, float(v)) for step, v in conn.execute(text(WINDOWS.format(
+                value=value, view=view, time=time, where=where)))]
+
+    tensorboard = tmp_path / "tb" / "r"
+    rollouts = windows("sum(x.experiences)", "analytics.explorer_rounds", "finished_at",
+                       "WHERE x.run = 'r'")
+    assert len(rollouts) >= 3 and same(tensorboard_series(tensorboard, "explorer/rollouts"),
+                                       rollouts)
+    assert same(mlflow_series(uri, "explorer/rollouts"), rollouts)
+    assert tensorboard_series(tensorboard, "explorer/rollouts_per_s")
+    assert tensorboard_series(tensorboard, "explorer/update_s")  # weights loaded in place
+    kept = windows("sum((o ->> 'out')::int)", "analytics.pipeline_runs", "finished_at",
+                   ", jsonb_array_elements(x.operators) o WHERE x.pipeline = 'gate' "
+                   "AND x.status = 'succeeded'")
+    assert kept and same(tensorboard_series(tensorboard, "pipeline/gate/text_length_filter/kept"),
+                         [(step, value) for step, value in kept])
+    # samples at the evaluations (steps 2 and 4), the report's plots as artifacts
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard), size_guidance={"tensors": 0, "images": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors("samples")] == [2, 4]
+    assert any(tag.startswith("report/") for tag in events.Tags()["images"])
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("reservoir").experiment_id])
+    listed = {item.path for folder in ("samples", "report")
+              for item in client.list_artifacts(run.info.run_id, folder)}
+    assert {"samples/step-000002.json", "samples/step-000004.json"} <= listed
+    assert any(path.startswith("report/") and path.endswith(".png") for path in listed)
 
 
 def test_a_tracker_that_cannot_reach_its_server_is_one_warning_and_the_run_finishes(
@@ -146,9 +211,9 @@ def test_runs_track_replays_a_finished_run_as_live_tracking_logged_it(tmp_path, 
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "steps logged to tensorboard" in done.stdout
-    for tag in ("loss", "reward_mean", "eval/accuracy"):
-        assert tensorboard_series(tmp_path / "later" / "r", tag) == \
-            tensorboard_series(tmp_path / "live" / "r", tag)
+    live, later = (all_scalars(tmp_path / folder / "r") for folder in ("live", "later"))
+    assert {"loss", "reward_mean", "eval/accuracy", "explorer/rollouts"} <= live.keys()
+    assert later == live  # every series, the explorers' and the samples' steps included
     again = subprocess.run([RESERVOIR, "runs", "track", "r", str(tmp_path / "later"), "--to",
                             "tensorboard"], env=command_env(db_url), capture_output=True,
                            text=True, timeout=120)

@@ -60,6 +60,7 @@ def runs_track(run: str = typer.Argument(..., help="Run name."),
     from pydantic import ValidationError
 
     from reservoir.config import TrackingConfig, describe_errors
+    from reservoir.report import write_report
     from reservoir.tracking import replay
     from reservoir.tracking.trackers import configured
 
@@ -73,7 +74,7 @@ def runs_track(run: str = typer.Argument(..., help="Run name."),
     except ValidationError as exc:
         fail(describe_errors(exc, "runs track", TrackingConfig))
     with _open(config) as store:
-        logged = replay(store, run, configured(tracking))
+        logged = replay(store, run, configured(tracking), report=write_report)
     console.print(f"run {run!r}: {logged} steps logged to {to} ({where})", highlight=False,
                   markup=False)
 

@@ -27,8 +27,8 @@ from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.policy import Sampling
 from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.logs import relayed, say
-from reservoir.store import (POLICY_CHANNEL, Listener, Pace, Patience, Resumption, Store,
-                             TaskOrder, finishing, is_outage)
+from reservoir.store import (POLICY_CHANNEL, Listener, Pace, Patience, Resumption, Round, Store,
+                             TaskOrder, finishing, is_outage, recording)
 from reservoir.plan.streams import written_status
 from reservoir.plan.stages import last_step, plan, step_seed
 
@@ -69,6 +69,7 @@ class ExplorerWorker:
         self.seed = config.run.seed + 1000 * (index + 1)
         self.token = uuid.uuid4()
         self.version: int | None = None
+        self.update_s: float | None = None  # the last in-place update, until a round is written
         self.workflow = make_workflow(config.explorer.workflow, config.explorer.workflow_options)
         self._stop = threading.Event()
 
@@ -136,18 +137,36 @@ class ExplorerWorker:
             return "wait"
         explorer = self.config.explorer
         torch.manual_seed(step_seed(self.seed, self.version * 1_000_003 + claimed[0][0]))
+        started = time.monotonic()
         groups = explore(self.workflow, [Task.of(row) for row in claimed], batcher,
                          Sampling(explorer.n, explorer.temperature, explorer.max_tokens),
                          run=self.config.run.name, version=self.version,
                          reward=explorer.reward, reward_options=explorer.reward_options)
-        try:  # the groups and their tasks' counts commit together, or neither does
+        done = self._written(run_id, claimed, groups, time.monotonic() - started)
+        try:  # the groups, their tasks' counts and the round's row commit together, or none
             store.write_groups(groups, status=written_status(self.config.pipelines),
-                               before_copy=finishing(self.token, [row[0] for row in claimed]))
+                               before_copy=done)
         except ClaimLost as exc:
             say(self.name, str(exc))
             return "explored"
         stats.groups += len(claimed)
+        self.update_s = None  # the update is the first written round's
         return "explored"
+
+    def _written(self, run_id: int, claimed, groups, seconds: float):
+        """What the write of a round's groups runs in its transaction: the claims finished and
+        the round's row (explorer_rounds) recorded."""
+        finish = finishing(self.token, [row[0] for row in claimed])
+        rows = [row for group in groups for row in group]
+        record = recording(Round(run_id, self.name, self.version, len(groups), len(rows),
+                                 sum(len(row.response_ids) for row in rows), seconds,
+                                 self.update_s)) if groups else None
+
+        async def done(conn) -> None:
+            await finish(conn)
+            if record is not None:
+                await record(conn)
+        return done
 
     def _claim(self, store: Store, run_id: int):
         """Tasks within the pace, claimed only if the latest version is the one loaded."""
@@ -171,6 +190,7 @@ class ExplorerWorker:
         each update took go to the stats."""
         started = time.monotonic()
         if not self.shared and take_policy(engine, location, self.config.model.path):
-            stats.update_seconds.append(time.monotonic() - started)
+            self.update_s = time.monotonic() - started
+            stats.update_seconds.append(self.update_s)
         self.version = version
         stats.versions_loaded += 1

@@ -165,17 +165,18 @@ def _process(rows: list[dict], steps: list[Step], progress,
     ids = [row["id"] for row in rows]
     data = dataset(rows) if rows else None
     for step in steps:
-        began = time.monotonic()
+        began, changed = time.monotonic(), 0
         if ids:
             before = data
             data, detail = run_step(step, data)
             after = list(data["id"])
             _record_removals(step, before, ids, after, detail, trace)
             if step.kind == "mapper":  # the others keep, drop or pick rows, never edit them
-                _record_changes(step, data, after, tracked, trace, fields)
+                changed = _record_changes(step, data, after, tracked, trace, fields)
         else:
             after = []
         trace.operators.append({"operator": step.name, "in": len(ids), "out": len(after),
+                                "changed": changed,
                                 "seconds": round(time.monotonic() - began, 3)})
         progress(f"{step.name}: {len(ids)} -> {len(after)} rows")
         ids = after
@@ -227,8 +228,10 @@ def _reason(step: Step, stats: dict) -> str:
 
 
 def _record_changes(step: Step, data, after: list[int], tracked: dict, trace: Trace,
-                    fields: tuple[str, ...]) -> None:
+                    fields: tuple[str, ...]) -> int:
+    """Record what the mapper changed in each row; returns how many rows it changed."""
     columns = {name: list(data[name]) for name in fields if name in data.column_names}
+    count = 0
     for position, row_id in enumerate(after):
         current = tracked.get(row_id)
         if current is None:
@@ -236,10 +239,12 @@ def _record_changes(step: Step, data, after: list[int], tracked: dict, trace: Tr
         new = {name: values[position] for name, values in columns.items()}
         changed = [name for name in columns if _differs(current.get(name), new[name])]
         if changed:
+            count += 1
             trace.changes.setdefault(row_id, []).append(
                 {"operator": step.name,
                  "fields": {name: (current.get(name), new[name]) for name in changed}})
             current.update(new)
+    return count
 
 
 def _differs(a, b) -> bool:

@@ -27,6 +27,7 @@ _EXPORTS = {
     "Pace": "pace", "Listener": "notify", "rows_channel": "notify", "POLICY_CHANNEL": "runs",
     "Patience": "retry", "Resumption": "retry", "describe_outage": "retry",
     "is_outage": "retry", "finishing": "tasks", "TaskOrder": "tasks",
+    "Round": "rounds", "recording": "rounds",
     "TaskChanges": "tasks",
     # SQL a person typed, and what the CLI shows
     "run_sql": "inspect", "run_summary": "inspect", "experience_detail": "inspect",

@@ -23,8 +23,8 @@ from reservoir.store import leasing, lifecycle
 from reservoir.store.preferences import PairLease
 from reservoir.store.prepared import Prepared
 from reservoir.store.sampler import Lease
-from reservoir.store.schema import (batch_items, batch_pairs, experience_state, experiences,
-                                     preferences, runs, train_steps)
+from reservoir.store.schema import (batch_items, batch_pairs, experience_data, experience_state,
+                                     experiences, preferences, runs, train_steps)
 
 LEASE_LOST = "RS001"  # the SQLSTATE lease_consumed raises (migration 0018)
 
@@ -170,6 +170,22 @@ def step_pairs(conn: Connection, run_id: int, step: int) -> list[tuple[int, int]
     return [tuple(row) for row in conn.execute(stmt)]
 
 
+def step_samples(conn: Connection, run_id: int, step: int, most: int = 4) -> list[dict]:
+    """A few of the rows a committed step trained on, in id order: prompt, response, reward
+    (what trackers show beside an evaluation)."""
+    data = experience_data.c
+    stmt = (select(data.prompt_text.label("prompt"), data.response_text.label("response"),
+                   data.reward, data.shaped_reward)
+            .select_from(batch_items.join(train_steps, train_steps.c.id ==
+                                          batch_items.c.train_step_id)
+                         .join(experience_data, (data.run_id == batch_items.c.run_id)
+                               & (data.id == batch_items.c.experience_id)))
+            .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
+            .order_by(batch_items.c.experience_id).limit(most))
+    return [{str(key): value for key, value in row._mapping.items()}
+            for row in conn.execute(stmt)]
+
+
 def step_time(conn: Connection, run_id: int, step: int):
     """When the run's step was committed (None if it was not)."""
     return conn.execute(select(train_steps.c.created_at).where(
@@ -285,6 +301,7 @@ class Ledger(Door):
     step_experiences = reading(step_experiences)
     step_pairs = reading(step_pairs)
     step_time = reading(step_time)
+    step_samples = reading(step_samples)
     last_step = reading(last_step)
     step_history = reading(step_history)
     staleness_counts = reading(staleness_counts)

@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from sqlalchemy import (BigInteger, Connection, Float, LargeBinary, Numeric, Text, and_, bindparam,
-                        case, cast, column, exists, func, insert, literal_column, or_, select,
-                        table, update)
+from sqlalchemy import (BigInteger, Connection, DateTime, Float, LargeBinary, Numeric, Text, and_,
+                        bindparam, case, cast, column, exists, func, insert, literal_column, or_,
+                        select, table, update)
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from reservoir.store import arrays, lifecycle
@@ -351,8 +351,37 @@ def history(conn: Connection, pipeline: str | None, limit: int) -> list[dict[str
     return [dict(row) for row in conn.execute(stmt).mappings()]
 
 
+def operator_counts(conn: Connection, run_id: int, bounds: list) -> dict[int, dict]:
+    """{i: {(pipeline, operator): (kept, dropped, changed)}} over the succeeded pipeline runs
+    over this run that finished in [bounds[i-1], bounds[i]) (what trackers log at each step)."""
+    if len(bounds) < 2:
+        return {}
+    p = pipeline_runs.c
+    edges = bindparam("edges", bounds, type_=ARRAY(DateTime(timezone=True)))
+    op = func.jsonb_array_elements(p.operators).table_valued(column("value", JSONB)) \
+        .render_derived()
+    window = func.width_bucket(p.finished_at, edges).label("window")
+
+    def count(key: str):
+        return func.sum(cast(op.c.value[key].astext, BigInteger))
+    rows = conn.execute(
+        select(window, p.pipeline, op.c.value["operator"].astext.label("operator"),
+               count("out"), count("in") - count("out"), func.coalesce(count("changed"), 0))
+        .select_from(pipeline_runs.join(op, literal_column("true")))
+        .where(p.status == "succeeded", p.run_ids.contains([run_id]),
+               p.finished_at >= bounds[0], p.finished_at < bounds[-1])
+        .group_by(window, p.pipeline, literal_column("operator")))
+    counts: dict[int, dict] = {}
+    for index, pipeline, operator, kept, dropped, changed in rows:
+        counts.setdefault(index, {})[pipeline, operator] = (int(kept), int(dropped),
+                                                            int(changed))
+    return counts
+
+
 class Pipelines(Door):
     """`store.pipelines`: pipeline runs, what they read and their history."""
+
+    operator_counts = reading(operator_counts)
 
     has_rows = reading(has_rows)
     stored_texts = reading(stored_texts)

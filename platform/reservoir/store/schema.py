@@ -445,6 +445,29 @@ run_trackers = Table(
             "logged (a resumed run logs no step twice).",
 )
 
+explorer_rounds = Table(
+    "explorer_rounds",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("worker", Text, nullable=False),
+    Column("policy_version", Integer, nullable=False),
+    Column("groups", Integer, nullable=False),
+    Column("experiences", Integer, nullable=False),
+    Column("response_tokens", BigInteger, nullable=False),
+    Column("generate_s", Float, nullable=False),
+    Column("update_s", Float),
+    Column("finished_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("groups > 0 AND experiences >= groups AND response_tokens >= 0",
+                    name="explorer_rounds_counts_valid"),
+    CheckConstraint("generate_s >= 0 AND (update_s IS NULL OR update_s >= 0)",
+                    name="explorer_rounds_seconds_valid"),
+    Index("explorer_rounds_run", "run_id", "finished_at"),
+    comment="Each explorer round a run's groups came from: worker, policy version, groups, "
+            "experiences, response tokens, generation seconds and the in-place weight update "
+            "it waited for.",
+)
+
 episodes = Table(
     "episodes",
     metadata,

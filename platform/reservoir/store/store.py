@@ -23,7 +23,7 @@ from reservoir.errors import ConfigError
 from reservoir.logs import say
 from reservoir.store import engine as engines
 from reservoir.store import (episodes, ledger, pipelines, preferences, reviews, runs, sampler,
-                             schedules, tasks, trackers, writer)
+                             rounds, schedules, tasks, trackers, writer)
 from reservoir.store import migrate as migrations
 from reservoir.plan.urls import redact
 from reservoir.store.loop import LoopThread
@@ -176,6 +176,7 @@ class Store:
         self.schedules = schedules.Schedules(self.engine)
         self.episodes = episodes.Episodes(self.engine)
         self.trackers = trackers.Trackers(self.engine)
+        self.rounds = rounds.Rounds(self.engine)
 
     @classmethod
     def open(cls, config: ReservoirConfig | None = None, *, quiet: bool = False,

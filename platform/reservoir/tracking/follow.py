@@ -2,22 +2,30 @@
 
 While a trainer runs, `follow` starts a thread of its own (never the training thread) that
 every POLL_S reads the steps committed since each tracker's last one (store.ledger.steps_after)
-and logs them (all but the newest, whose evaluation may still be added to it), then records how far it got (store.trackers): a run resumed after a crash, or
-`reservoir runs track` later, continues the same tracker run and logs no step twice. When the
-trainer ends, the thread logs what is left and closes the trackers. A tracker that fails
-(a server down, a full disk) is one warning on stderr and is dropped; the run goes on.
+and logs them with the series the store holds about each step's window (tracking.series:
+explorer rates, pipeline counts, samples at evaluations), all but the newest step, whose
+evaluation may still be added to it; then it records how far it got (store.trackers): a run
+resumed after a crash, or `reservoir runs track` later, continues the same tracker run and logs
+no step twice. When the trainer ends, the thread logs what is left, gives each tracker the run's
+report (its plots) as artifacts and closes them. A tracker that fails (a server down, a full
+disk) is one warning and is dropped; the run goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import tempfile
 import threading
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 from reservoir.errors import ReservoirError, StoreError
 from reservoir.logs import warn
+from reservoir.tracking.series import StepSeries, step_series
 from reservoir.tracking.trackers import STEP_KEY, configured
+
+Report = Callable[..., object]  # write_report(store, run, folder): reservoir.report's
 
 POLL_S = 1.0
 BATCH = 500  # steps read per query
@@ -64,7 +72,8 @@ class _Following:
                 steps = self.store.ledger.steps_after(self.run_id, self.last[tracker.kind], BATCH)
                 if hold_newest and len(steps) < BATCH:
                     steps = steps[:-1]
-                if not steps or not self._guard(tracker, lambda: self._log(tracker, steps)):
+                if not steps or not self._guard(tracker, lambda: self._log(
+                        tracker, steps, step_series(self.store, self.run_id, steps))):
                     break
                 self.last[tracker.kind] = steps[-1][0]
                 logged += len(steps)
@@ -73,9 +82,24 @@ class _Following:
         return logged
 
     @staticmethod
-    def _log(tracker, steps) -> None:
+    def _log(tracker, steps, series: StepSeries) -> None:
         for step, stage, loss, metrics, _ in steps:
-            tracker.log(step, {**_scalars(loss, metrics), STEP_KEY: float(step)}, stage)
+            tracker.log(step, {**_scalars(loss, metrics), **series.scalars.get(step, {}),
+                               STEP_KEY: float(step)}, stage, series.samples.get(step))
+
+    def attach(self, report: Report | None) -> None:
+        """The run's report (its plots, index.html) as each tracker's artifacts."""
+        if report is None or not self.live:
+            return
+        with tempfile.TemporaryDirectory(prefix="reservoir-report-") as folder:
+            try:
+                report(self.store, self.run, Path(folder))
+            except Exception as exc:  # a report that fails never fails the run
+                warn("trackers", f"the run's report was not made for the trackers: "
+                                 f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                return
+            for tracker, _ in list(self.live):
+                self._guard(tracker, lambda t=tracker: t.artifacts(Path(folder)))
 
     def close(self) -> None:
         for tracker, _ in self.live:
@@ -109,9 +133,10 @@ def _params(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def follow(config, store) -> Iterator[None]:
+def follow(config, store, report: Report | None = None) -> Iterator[None]:
     """While the block runs, the config's trackers follow its run from a thread of their own;
-    at its end they log what is left and close. Nothing happens without `tracking:`."""
+    at its end they log what is left, take `report`'s plots as artifacts and close. Nothing
+    happens without `tracking:`."""
     trackers = configured(config.tracking)
     if not trackers:
         yield
@@ -131,18 +156,20 @@ def follow(config, store) -> Iterator[None]:
         stop.set()
         thread.join()
         following.catch_up()
+        following.attach(report)
         following.close()
 
 
-def replay(store, run: str, trackers: list) -> int:
-    """Log a run's committed steps (those each tracker has not logged yet) and close; returns
-    how many steps were logged (`reservoir runs track`); ReservoirError if every tracker
-    failed (each said why)."""
+def replay(store, run: str, trackers: list, report: Report | None = None) -> int:
+    """Log a run's committed steps (those each tracker has not logged yet) and its report, and
+    close; returns how many steps were logged (`reservoir runs track`); ReservoirError if every
+    tracker failed (each said why)."""
     following = _Following(store, run, trackers)
     try:
         logged = following.catch_up()
         if trackers and not following.live:
             raise ReservoirError(f"run {run!r}: no tracker could log it (see the warnings)")
+        following.attach(report)
         return logged
     finally:
         following.close()

@@ -3,7 +3,9 @@
 A tracker takes a run's steps in order: `start(run, params, external_id)` opens (or, given the
 id it returned before, continues) its run and returns its id; `last_logged()` is the last step
 its own records hold (a process killed between logging a step and recording it in the store
-logs it no second time); `log(step, scalars, stage)` and `close()`. Each step carries
+logs it no second time); `log(step, scalars, stage, samples)` (samples: a few rows trained at an
+evaluation, a table), `artifacts(folder)` (the run's report: PNG plots and index.html) and
+`close()`. Each step carries
 `reservoir/step`, so the last one logged is read back from the tracker itself. Libraries are asked not to reach the network unless told to (W&B offline, MLflow's
 retries bounded), since a tracker must never slow or stop a run.
 """
@@ -11,6 +13,7 @@ retries bounded), since a tracker must never slow or stop a run.
 from __future__ import annotations
 
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ class TensorBoard:
 
     def __init__(self, settings) -> None:
         self.destination = str(Path(settings.dir).resolve())
-        self.writer, self.stage, self.run = None, None, None
+        self.writer, self.stage, self.run, self.step = None, None, None, 0
 
     def start(self, run: str, params: dict[str, Any], external_id: str | None) -> str:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -48,16 +51,33 @@ class TensorBoard:
             return -1
         return max(int(e.step) for e in events.Scalars(STEP_KEY))
 
-    def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
+    def log(self, step: int, scalars: dict[str, float], stage: str | None,
+            samples: list[dict] | None = None) -> None:
         from tensorboard.compat.proto import event_pb2
 
         event = event_pb2.Event(wall_time=time.time(), step=step)
         for tag, value in scalars.items():
             event.summary.value.add(tag=tag, simple_value=value)
         self.writer.add_event(event)
+        self.step = step
         if stage != self.stage:
             self.stage = stage
             self._text(step, "stage", f"stage {stage!r} from step {step}")
+        if samples:
+            self._text(step, "samples", markdown_table(samples))
+
+    def artifacts(self, folder: Path) -> None:
+        """Each plot of the report as an image at the last step logged."""
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        for png in sorted(folder.glob("*.png")):
+            data = png.read_bytes()
+            width, height = struct.unpack(">II", data[16:24])  # the PNG's IHDR
+            image = summary_pb2.Summary.Image(height=height, width=width, colorspace=4,
+                                              encoded_image_string=data)
+            event = event_pb2.Event(wall_time=time.time(), step=self.step)
+            event.summary.value.add(tag=f"report/{png.stem}", image=image)
+            self.writer.add_event(event)
 
     def _text(self, step: int, tag: str, text: str) -> None:
         from tensorboard.compat.proto import event_pb2
@@ -107,15 +127,24 @@ class Mlflow:
         history = self.client.get_metric_history(self.run_id, STEP_KEY)
         return max((int(m.step) for m in history), default=-1)
 
-    def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
+    def log(self, step: int, scalars: dict[str, float], stage: str | None,
+            samples: list[dict] | None = None) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step)
-                                                    for key, value in scalars.items()])
+        metrics = [Metric(key, value, now, step) for key, value in scalars.items()]
+        for first in range(0, len(metrics), 1000):  # MLflow takes 1,000 metrics a batch
+            self.client.log_batch(self.run_id, metrics=metrics[first:first + 1000])
         if stage != self.stage:
             self.stage = stage
             self.client.set_tag(self.run_id, f"stage.{stage}", f"from step {step}")
+        if samples:
+            columns = {key: [row[key] for row in samples] for key in samples[0]}
+            self.client.log_table(self.run_id, data={"step": [step] * len(samples), **columns},
+                                  artifact_file=f"samples/step-{step:06d}.json")
+
+    def artifacts(self, folder: Path) -> None:
+        self.client.log_artifacts(self.run_id, str(folder), artifact_path="report")
 
     def close(self) -> None:
         if self.client is not None and self.run_id is not None:
@@ -150,12 +179,37 @@ class Wandb:
     def last_logged(self) -> int:
         return -1  # W&B merges a step logged twice into one row
 
-    def log(self, step: int, scalars: dict[str, float], stage: str | None) -> None:
-        self.run.log({**scalars, "stage": stage or ""}, step=step)
+    def log(self, step: int, scalars: dict[str, float], stage: str | None,
+            samples: list[dict] | None = None) -> None:
+        values: dict[str, Any] = {**scalars, "stage": stage or ""}
+        if samples:
+            import wandb
+
+            values["samples"] = wandb.Table(columns=list(samples[0]),
+                                            data=[list(row.values()) for row in samples])
+        self.run.log(values, step=step)
+
+    def artifacts(self, folder: Path) -> None:
+        import wandb
+
+        report = wandb.Artifact(f"{self.run.name}-report", type="report")
+        report.add_dir(str(folder))
+        self.run.log_artifact(report)
 
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows as a Markdown table (TensorBoard's text plugin renders it)."""
+    def cell(value) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return " ".join(text.split()).replace("|", "\\|")[:500]
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(cell(row[key]) for key in header) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def configured(tracking) -> list:

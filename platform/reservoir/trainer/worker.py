@@ -64,9 +64,11 @@ class RunSummary:
 class TrainerWorker:
     def __init__(self, config: ReservoirConfig, *, resume: bool = False,
                  evaluate: Evaluate | None = None, colocate: Colocate | None = None,
-                 relay=None) -> None:
+                 report: Callable | None = None, relay: str | None = None) -> None:
+        """`report(store, run, folder)`: the run's plots, which its trackers take at the end;
+        `relay`: the name of the Ray actor its log lines go to (reservoir.logs)."""
         self.config, self.resume, self.evaluate = config, resume, evaluate
-        self.colocate, self.here, self.relay = colocate, None, relay
+        self.colocate, self.here, self.report, self.relay = colocate, None, report, relay
         self.summary = RunSummary(config.run.name)
         self.patience = Patience(config.store.outage_patience_s,
                                  say=lambda line: say(WORKER, line))
@@ -96,7 +98,8 @@ class TrainerWorker:
             try:
                 self._set_status("running")
                 with TrainerPool(self.config, self.learner) as self.pool, \
-                        self._colocated() as self.here, follow(self.config, store):
+                        self._colocated() as self.here, \
+                        follow(self.config, store, self.report):
                     first, committed = self._resume() if self.resume else self._start()
                     self._train(first, committed)
             except Abandoned:  # a second Ctrl-C: no status, no checkpoint, at once

@@ -828,6 +828,27 @@ CREATE TABLE run_trackers (
 COMMENT ON TABLE run_trackers IS
   'Each experiment tracker following a run: its own run id and the last step it logged (a resumed run logs no step twice).';
 
+-- Each explorer round, written with its groups: the rates trackers log per step.
+CREATE TABLE explorer_rounds (
+    id bigserial PRIMARY KEY,
+    run_id bigint NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    worker text NOT NULL,
+    policy_version integer NOT NULL,
+    groups integer NOT NULL,
+    experiences integer NOT NULL,
+    response_tokens bigint NOT NULL,
+    generate_s double precision NOT NULL,
+    update_s double precision,                      -- the in-place update it waited for
+    finished_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT explorer_rounds_counts_valid
+        CHECK (groups > 0 AND experiences >= groups AND response_tokens >= 0),
+    CONSTRAINT explorer_rounds_seconds_valid
+        CHECK (generate_s >= 0 AND (update_s IS NULL OR update_s >= 0))
+);
+CREATE INDEX explorer_rounds_run ON explorer_rounds (run_id, finished_at);
+COMMENT ON TABLE explorer_rounds IS
+  'Each explorer round a run''s groups came from: worker, policy version, groups, experiences, response tokens, generation seconds and the in-place weight update it waited for.';
+
 
 -- ============================================================================================
 -- Analytics: what people read (as reservoir_reader). Views run with their owner's rights, so
@@ -1080,6 +1101,13 @@ FROM public.review_actions a;
 COMMENT ON VIEW analytics.review_actions IS
   'Every action of a person on a review or a pair: who, what, on which rows, when, from where.';
 
+CREATE VIEW analytics.explorer_rounds AS
+SELECT x.id AS explorer_round_id, r.name AS run, x.worker, x.policy_version, x.groups,
+       x.experiences, x.response_tokens, x.generate_s, x.update_s, x.finished_at
+FROM public.explorer_rounds x JOIN public.runs r ON r.id = x.run_id;
+COMMENT ON VIEW analytics.explorer_rounds IS
+  'Each explorer round: its run, worker, policy version, groups, experiences, response tokens, generation seconds and in-place update seconds.';
+
 
 CREATE VIEW analytics.run_gauges AS
 SELECT r.name AS run, r.status, r.rows_inserted AS rows_written, r.rows_sampled,
@@ -1181,5 +1209,5 @@ GRANT SELECT ON analytics.experiences, analytics.experience_tokens, analytics.ru
     analytics.pipeline_runs, analytics.operator_events, analytics.validations,
     analytics.reviews, analytics.schedules, analytics.preferences, analytics.episodes,
     analytics.episode_calls, analytics.review_actions, analytics.run_gauges,
-    analytics.pipeline_gauges, analytics.schedule_gauges
+    analytics.pipeline_gauges, analytics.schedule_gauges, analytics.explorer_rounds
     TO reservoir_reader;
