@@ -86,6 +86,7 @@ class _Following:
         for step, stage, loss, metrics, _ in steps:
             tracker.log(step, {**_scalars(loss, metrics), **series.scalars.get(step, {}),
                                STEP_KEY: float(step)}, stage, series.samples.get(step))
+        tracker.flush()  # before the store records them as logged
 
     def attach(self, report: Report | None) -> None:
         """The run's report (its plots, index.html) as each tracker's artifacts."""

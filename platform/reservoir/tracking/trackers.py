@@ -4,7 +4,7 @@ A tracker takes a run's steps in order: `start(run, params, external_id)` opens 
 id it returned before, continues) its run and returns its id; `last_logged()` is the last step
 its own records hold (a process killed between logging a step and recording it in the store
 logs it no second time); `log(step, scalars, stage, samples)` (samples: a few rows trained at an
-evaluation, a table), `artifacts(folder)` (the run's report: PNG plots and index.html) and
+evaluation, a table) for each step of a batch, then `flush()`; `artifacts(folder)` (the run's report: PNG plots and index.html) and
 `close()`. Each step carries
 `reservoir/step`, so the last one logged is read back from the tracker itself. Libraries are asked not to reach the network unless told to (W&B offline, MLflow's
 retries bounded), since a tracker must never slow or stop a run.
@@ -66,6 +66,9 @@ class TensorBoard:
         if samples:
             self._text(step, "samples", markdown_table(samples))
 
+    def flush(self) -> None:
+        self.writer.flush()
+
     def artifacts(self, folder: Path) -> None:
         """Each plot of the report as an image at the last step logged."""
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -102,11 +105,13 @@ class Mlflow:
         self.uri, self.experiment = settings.tracking_uri, settings.experiment
         self.destination = redact_text(self.uri)
         self.client, self.run_id, self.stage = None, None, None
+        self.pending: list = []  # metrics logged, not yet sent (flush)
 
     def start(self, run: str, params: dict[str, Any], external_id: str | None) -> str:
         if self.uri.startswith("file:") or "://" not in self.uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3: opt in
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # default: 4 minutes
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no usage reports
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow.tracking import MlflowClient
@@ -132,9 +137,7 @@ class Mlflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, step) for key, value in scalars.items()]
-        for first in range(0, len(metrics), 1000):  # MLflow takes 1,000 metrics a batch
-            self.client.log_batch(self.run_id, metrics=metrics[first:first + 1000])
+        self.pending += [Metric(key, value, now, step) for key, value in scalars.items()]
         if stage != self.stage:
             self.stage = stage
             self.client.set_tag(self.run_id, f"stage.{stage}", f"from step {step}")
@@ -142,6 +145,13 @@ class Mlflow:
             columns = {key: [row[key] for row in samples] for key in samples[0]}
             self.client.log_table(self.run_id, data={"step": [step] * len(samples), **columns},
                                   artifact_file=f"samples/step-{step:06d}.json")
+
+    def flush(self) -> None:
+        """The metrics of the steps logged since the last flush, 1,000 a request (MLflow's
+        most): one request for many steps, not one a step."""
+        pending, self.pending = self.pending, []
+        for first in range(0, len(pending), 1000):
+            self.client.log_batch(self.run_id, metrics=pending[first:first + 1000])
 
     def artifacts(self, folder: Path) -> None:
         self.client.log_artifacts(self.run_id, str(folder), artifact_path="report")
@@ -188,6 +198,9 @@ class Wandb:
             values["samples"] = wandb.Table(columns=list(samples[0]),
                                             data=[list(row.values()) for row in samples])
         self.run.log(values, step=step)
+
+    def flush(self) -> None:
+        pass  # W&B sends each step as it is logged
 
     def artifacts(self, folder: Path) -> None:
         import wandb
