@@ -76,6 +76,10 @@ def test_a_colocated_run_trains_its_stages_through_the_store(tmp_path, db_url):
     assert found == {"steps": list(range(8)), "bad_steps": 0, "trained_twice": 0,
                      "max_staleness": 0, "versions": [0, 1, 2, 3, 4], "status": "finished",
                      "live_claims": 0}
+    # the warm-up's demonstrations carry no reward: its steps claim no reward mean (trackers
+    # log every metric of a step; a 0 there drew a flat line of false rewards before the RL)
+    assert sql(db_url, "SELECT count(*) FROM train_steps WHERE step BETWEEN 1 AND 3 "
+                       "AND metrics ? 'reward_mean'") == [(0,)]
     # version 0 is the warmed-up weights: no version has a weight file
     assert sql(db_url, "SELECT count(*) FROM policy_versions WHERE location IS NULL") == [(5,)]
     assert not (tmp_path / "checkpoints" / "c" / "policy").exists()  # no weight file written

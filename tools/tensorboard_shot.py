@@ -56,8 +56,8 @@ def shoot(logdir: Path, out: Path, tags: str) -> None:
             page = browser.new_page(viewport={"width": 1400, "height": 760})
             page.goto(f"{base}?darkMode=false#scalars&tagFilter="
                       f"{urllib.parse.quote(tags, safe='')}")
-            page.wait_for_selector("canvas, svg.line-chart, .line-chart", timeout=60_000)
-            page.wait_for_timeout(4000)  # the charts draw after their data arrives
+            page.wait_for_load_state("networkidle", timeout=60_000)
+            page.wait_for_timeout(6000)  # the charts draw after their data arrives
             page.screenshot(path=str(out))
             browser.close()
     finally:

@@ -194,11 +194,15 @@ class Learner:
         # the engine's temperature shaped the sampled logprobs; likelihoods of given answers
         # (sft) are the model's own
         sampled = algorithm.policy_loss != "sft"
-        return train_step(self.model, self.optimizer, batch, algorithm,
-                          micro_batch=trainer.micro_batch,
-                          temperature=self.config.explorer.temperature if sampled else 1.0,
-                          reference=self.reference, critic=self.critic, precision=precision,
-                          ranks=ranks, seed=step_seed(self.config.run.seed, step))
+        metrics = train_step(self.model, self.optimizer, batch, algorithm,
+                             micro_batch=trainer.micro_batch,
+                             temperature=self.config.explorer.temperature if sampled else 1.0,
+                             reference=self.reference, critic=self.critic,
+                             precision=precision, ranks=ranks,
+                             seed=step_seed(self.config.run.seed, step))
+        if stage.data.kind == "tasks":  # demonstrations carry no reward to report
+            metrics.pop("reward_mean", None)
+        return metrics
 
 
 def _tied_once(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
