@@ -66,14 +66,26 @@ class _Following:
         """Log every committed step each tracker has not logged; returns how many. With
         `hold_newest` (while the trainer runs) the newest step waits for the next one: its
         held-out evaluation is merged into it after it commits."""
-        logged = 0
+        logged, read, series = 0, {}, {}  # by the step they follow: read once for all trackers
+
+        def steps_after(step: int) -> list[tuple]:
+            if step not in read:
+                read[step] = self.store.ledger.steps_after(self.run_id, step, BATCH)
+                if hold_newest and len(read[step]) < BATCH:
+                    read[step] = read[step][:-1]
+            return read[step]
+
+        def series_after(step: int) -> StepSeries:
+            if step not in series:
+                series[step] = step_series(self.store, self.run_id, read[step])
+            return series[step]
+
         for tracker, external_id in list(self.live):
             while True:
-                steps = self.store.ledger.steps_after(self.run_id, self.last[tracker.kind], BATCH)
-                if hold_newest and len(steps) < BATCH:
-                    steps = steps[:-1]
+                after = self.last[tracker.kind]
+                steps = steps_after(after)
                 if not steps or not self._guard(tracker, lambda: self._log(
-                        tracker, steps, step_series(self.store, self.run_id, steps))):
+                        tracker, steps, series_after(after))):
                     break
                 self.last[tracker.kind] = steps[-1][0]
                 logged += len(steps)
