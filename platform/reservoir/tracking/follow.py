@@ -1,27 +1,34 @@
 """Trackers as views of the store: each follows a run's committed steps, in order, once.
 
-While a trainer runs, `follow` starts a thread of its own (never the training thread) that
-every POLL_S reads the steps committed since each tracker's last one (store.ledger.steps_after)
-and logs them with the series the store holds about each step's window (tracking.series:
-explorer rates, pipeline counts, samples at evaluations), all but the newest step, whose
-evaluation may still be added to it; then it records how far it got (store.trackers): a run
-resumed after a crash, or `reservoir runs track` later, continues the same tracker run and logs
-no step twice. When the trainer ends, the thread logs what is left, gives each tracker the run's
-report (its plots) as artifacts and closes them. A tracker that fails (a server down, a full
-disk) is one warning and is dropped; the run goes on.
+While a trainer runs, `follow` starts a process of its own (the tracker libraries' work never
+shares the trainer's interpreter: MLflow's file store alone cost the training step ~10 % from a
+thread beside it) that every POLL_S reads the steps committed since each tracker's last one
+(store.ledger.steps_after) and logs them with the series the store holds about each step's
+window (tracking.series: explorer rates, pipeline counts, samples at evaluations), all but the
+newest step, whose evaluation may still be added to it; then it records how far it got
+(store.trackers): a run resumed after a crash, or `reservoir runs track` later, continues the
+same tracker run and logs no step twice. When the trainer ends, the process logs what is left,
+gives each tracker the run's report (its plots) as artifacts, closes them and exits. A tracker
+that fails (a server down, a full disk) is one warning and is dropped; the run goes on. The
+process's lines (its warnings) reach the trainer's log through a pipe, as the trainer's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import math
+import multiprocessing
+import os
+import signal
 import tempfile
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
 from reservoir.errors import ReservoirError, StoreError
-from reservoir.logs import warn
+from reservoir.logs import LOGGER, warn
 from reservoir.tracking.series import StepSeries, step_series
 from reservoir.tracking.trackers import STEP_KEY, configured
 
@@ -147,30 +154,76 @@ def _params(config: dict, prefix: str = "") -> dict[str, str]:
 
 @contextlib.contextmanager
 def follow(config, store, report: Report | None = None) -> Iterator[None]:
-    """While the block runs, the config's trackers follow its run from a thread of their own;
+    """While the block runs, the config's trackers follow its run from a process of their own;
     at its end they log what is left, take `report`'s plots as artifacts and close. Nothing
-    happens without `tracking:`."""
-    trackers = configured(config.tracking)
-    if not trackers:
+    happens without `tracking:`. `store` is the caller's (the process opens its own)."""
+    if not configured(config.tracking):
         yield
         return
-    following = _Following(store, config.run.name, trackers)
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(POLL_S):
-            following.catch_up(hold_newest=True)
-
-    thread = threading.Thread(target=loop, name="trackers", daemon=True)
-    thread.start()
+    here, there = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(
+        target=_follower, name="reservoir-trackers",
+        args=(config.model_dump(mode="json"), report, there, os.getpid()))
+    process.start()
+    there.close()
+    lines = threading.Thread(target=_say_lines, args=(here,), name="tracker-lines", daemon=True)
+    lines.start()
     try:
         yield
     finally:
-        stop.set()
-        thread.join()
-        following.catch_up()
-        following.attach(report)
+        with contextlib.suppress(OSError):
+            here.send_bytes(b"stop")
+        process.join()
+        lines.join(timeout=5)
+        here.close()
+
+
+def _say_lines(conn) -> None:
+    """The follower's log lines, said here as they come, until it closes its end."""
+    logger = logging.getLogger(LOGGER)
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            logger.handle(logging.makeLogRecord(json.loads(conn.recv_bytes())))
+
+
+class _ToParent(logging.Handler):
+    def __init__(self, conn) -> None:
+        super().__init__()
+        self.conn = conn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = {"name": record.name, "msg": record.getMessage(), "levelno": record.levelno,
+                 "levelname": record.levelname, "created": record.created,
+                 "worker": getattr(record, "worker", None)}
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(json.dumps(event).encode())
+
+
+def _follower(raw: dict, report: Report | None, conn, parent: int) -> None:
+    """The trackers' process: follow the run until the trainer says stop (or is gone: then
+    what it committed is logged and the report is left out)."""
+    from reservoir.config import ReservoirConfig
+    from reservoir.store import Store
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's, which says stop
+    logging.getLogger(LOGGER).handlers = [_ToParent(conn)]
+    config = ReservoirConfig.model_validate(raw)
+    with Store.open(config, quiet=True) as store:
+        following = _Following(store, config.run.name, configured(config.tracking))
+        stopped = False
+        try:
+            while os.getppid() == parent:
+                if conn.poll(POLL_S):
+                    stopped = conn.recv_bytes() == b"stop"
+                    break
+                following.catch_up(hold_newest=True)
+        except EOFError:  # the trainer's process is gone
+            pass
+        following.catch_up(hold_newest=not stopped)
+        if stopped:
+            following.attach(report)
         following.close()
+    conn.close()
 
 
 def replay(store, run: str, trackers: list, report: Report | None = None) -> int:
