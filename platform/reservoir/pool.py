@@ -51,6 +51,8 @@ def run(config: ReservoirConfig, *, resume: bool = False, console: Console | Non
         return train(config, resume=resume, console=console, view=view)
     import ray
 
+    from reservoir.report import write_report  # the trackers take the run's plots at its end
+
     console = console or Console()
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
@@ -60,7 +62,7 @@ def run(config: ReservoirConfig, *, resume: bool = False, console: Console | Non
             config = _ray_devices(config, gpus)
             trainer = _actor(TrainerWorker, gpus=gpus["trainer"]).remote(
                 config, resume=resume, evaluate=partial(held_out_accuracy, config),
-                report=tracked_report, relay=relay.name)
+                report=write_report, relay=relay.name)
             explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS, gpus["explorer"]).remote(
                 config, index, relay=relay.name) for index in range(config.explorer.workers)]
             streams = [_actor(PipelineWorker, EXPLORER_RESTARTS).remote(
@@ -81,13 +83,6 @@ def run(config: ReservoirConfig, *, resume: bool = False, console: Console | Non
             _report(explored + streamed)
             relay.drain()
     return summary
-
-
-def tracked_report(store: Store, run: str, folder: Path) -> Path:
-    """The run's report (reservoir.report), which its trackers take at the end."""
-    from reservoir.report import write_report
-
-    return write_report(store, run, folder)
 
 
 def _report(refs: list) -> None:
@@ -143,6 +138,8 @@ def explore(config: ReservoirConfig, *, console: Console | None = None,
 def train(config: ReservoirConfig, *, resume: bool = False, console: Console | None = None,
           view: bool = True) -> RunSummary:
     """The trainer only, in this process (with its explorer, in a colocated run)."""
+    from reservoir.report import write_report  # the trackers take the run's plots at its end
+
     console = console or Console()
     config = _prepared(config)
     with Store.open(config, migrate=True) as store:
@@ -150,7 +147,7 @@ def train(config: ReservoirConfig, *, resume: bool = False, console: Console | N
         monitor = Monitor(store, config.run.name, total_steps(config))
         colocate = Colocated if config.run.placement == "colocated" else None
         trainer = TrainerWorker(config, resume=resume, evaluate=partial(held_out_accuracy, config),
-                                colocate=colocate, report=tracked_report)
+                                colocate=colocate, report=write_report)
         return _in_front(trainer, monitor, console, view)
 
 

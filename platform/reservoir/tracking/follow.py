@@ -2,7 +2,7 @@
 
 While a trainer runs, `follow` starts a process of its own (the tracker libraries' work never
 shares the trainer's interpreter: MLflow's file store alone cost the training step ~10 % from a
-thread beside it) that every POLL_S reads the steps committed since each tracker's last one
+thread beside it; it runs at nice 10) that every POLL_S reads the steps committed since each tracker's last one
 (store.ledger.steps_after) and logs them with the series the store holds about each step's
 window (tracking.series: explorer rates, pipeline counts, samples at evaluations), all but the
 newest step, whose evaluation may still be added to it; then it records how far it got
@@ -16,12 +16,15 @@ process's lines (its warnings) reach the trainer's log through a pipe, as the tr
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import math
-import multiprocessing
 import os
+import select
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -156,74 +159,80 @@ def _params(config: dict, prefix: str = "") -> dict[str, str]:
 def follow(config, store, report: Report | None = None) -> Iterator[None]:
     """While the block runs, the config's trackers follow its run from a process of their own;
     at its end they log what is left, take `report`'s plots as artifacts and close. Nothing
-    happens without `tracking:`. `store` is the caller's (the process opens its own)."""
+    happens without `tracking:`. `store` is the caller's (the process opens its own);
+    `report` is a module-level function, which the process imports by its name."""
     if not configured(config.tracking):
         yield
         return
-    here, there = multiprocessing.get_context("spawn").Pipe()
-    process = multiprocessing.get_context("spawn").Process(
-        target=_follower, name="reservoir-trackers",
-        args=(config.model_dump(mode="json"), report, there, os.getpid()))
-    process.start()
-    there.close()
-    lines = threading.Thread(target=_say_lines, args=(here,), name="tracker-lines", daemon=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from reservoir.tracking.follow import follower; follower()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    orders = {"config": config.model_dump(mode="json"), "parent": os.getpid(),
+              "report": f"{report.__module__}:{report.__qualname__}" if report else None}
+    process.stdin.write(json.dumps(orders).encode() + b"\n")
+    process.stdin.flush()
+    lines = threading.Thread(target=_say_lines, args=(process.stdout,), name="tracker-lines",
+                             daemon=True)
     lines.start()
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
-            here.send_bytes(b"stop")
-        process.join()
+            process.stdin.write(b"stop\n")
+            process.stdin.close()
+        process.wait()
         lines.join(timeout=5)
-        here.close()
 
 
-def _say_lines(conn) -> None:
-    """The follower's log lines, said here as they come, until it closes its end."""
+def _say_lines(stream) -> None:
+    """The follower's log lines (JSON, one a line), said here as they come, until it ends."""
     logger = logging.getLogger(LOGGER)
-    with contextlib.suppress(EOFError, OSError):
-        while True:
-            logger.handle(logging.makeLogRecord(json.loads(conn.recv_bytes())))
+    for line in stream:
+        with contextlib.suppress(ValueError):
+            logger.handle(logging.makeLogRecord(json.loads(line)))
 
 
 class _ToParent(logging.Handler):
-    def __init__(self, conn) -> None:
-        super().__init__()
-        self.conn = conn
+    """The follower's lines as JSON on its stdout, which its trainer reads (_say_lines)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         event = {"name": record.name, "msg": record.getMessage(), "levelno": record.levelno,
                  "levelname": record.levelname, "created": record.created,
                  "worker": getattr(record, "worker", None)}
         with contextlib.suppress(OSError):
-            self.conn.send_bytes(json.dumps(event).encode())
+            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.flush()
 
 
-def _follower(raw: dict, report: Report | None, conn, parent: int) -> None:
-    """The trackers' process: follow the run until the trainer says stop (or is gone: then
-    what it committed is logged and the report is left out)."""
+def follower() -> None:
+    """The trackers' process (`follow` starts it; nice 10: a view never takes the run's CPU):
+    its orders on stdin, then follow the run until the trainer says stop (or is gone: then what
+    it committed is logged and the report is left out)."""
+    os.nice(10)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's, which says stop
+    logging.getLogger(LOGGER).handlers = [_ToParent()]
+    orders = json.loads(sys.stdin.buffer.readline())
     from reservoir.config import ReservoirConfig
     from reservoir.store import Store
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's, which says stop
-    logging.getLogger(LOGGER).handlers = [_ToParent(conn)]
-    config = ReservoirConfig.model_validate(raw)
+    config = ReservoirConfig.model_validate(orders["config"])
     with Store.open(config, quiet=True) as store:
         following = _Following(store, config.run.name, configured(config.tracking))
-        stopped = False
-        try:
-            while os.getppid() == parent:
-                if conn.poll(POLL_S):
-                    stopped = conn.recv_bytes() == b"stop"
-                    break
-                following.catch_up(hold_newest=True)
-        except EOFError:  # the trainer's process is gone
-            pass
+        stopped = _until_stop(following, orders["parent"])
         following.catch_up(hold_newest=not stopped)
-        if stopped:
-            following.attach(report)
+        if stopped and orders["report"]:
+            module, name = orders["report"].split(":")
+            following.attach(getattr(importlib.import_module(module), name))
         following.close()
-    conn.close()
+
+
+def _until_stop(following: _Following, parent: int) -> bool:
+    """Catch up every POLL_S until `stop` on stdin (True) or the trainer is gone (False)."""
+    while os.getppid() == parent:
+        if select.select([sys.stdin], [], [], POLL_S)[0]:
+            return sys.stdin.buffer.readline().strip() == b"stop"
+        following.catch_up(hold_newest=True)
+    return False
 
 
 def replay(store, run: str, trackers: list, report: Report | None = None) -> int:
