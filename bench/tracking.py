@@ -4,16 +4,19 @@
 The run has the main job's shape (examples/reverse_grpo: 16 tasks of 16 responses a step,
 10 tokens each, an evaluation every 25 steps, the trainer and an explorer in Ray actors; no
 warm-up). Both sides run the same config from the same tiny model and seed; they alternate
-which goes first in each repeat. Two figures per run, read from the store:
+which goes first in each repeat. Three figures per run, read from the store:
 - run tokens/s: response tokens trained over the seconds from the first step's commit to the
-  last's (what the trackers' thread could slow: generation, training and the store's round
+  last's (what the trackers' process could slow: generation, training and the store's round
   trips, with evaluations every --eval-interval steps, whose samples the trackers log too);
+- settled tokens/s: the same from step --settle on, past the trackers' start-up (their
+  libraries' imports and opening their runs: a few CPU seconds once a run, which a 30-second
+  run on two cores feels and a real run does not);
 - step tokens/s: the median of the steps' own `train_tokens_per_s` (the training step alone).
 The figure is the median over repeats of the ratio on / off within each repeat (its two runs
 back to back: this machine's speed drifts by tens of percent between minutes); the target is
 >= 0.97. The ratio of the medians is printed beside it.
 
-    python bench/tracking.py [--steps 100 --repeats 3 --placement split|colocated]
+    python bench/tracking.py [--steps 100 --repeats 3 --settle 10 --placement split|colocated]
                              [--trackers tensorboard mlflow wandb] [--db-url postgresql://...]
 """
 
@@ -40,17 +43,25 @@ from reservoir.store import Store  # noqa: E402
 
 TARGET = 0.97
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-STEPS = text("SELECT extract(epoch FROM max(t.created_at) - min(t.created_at)), "
-             "sum((t.metrics ->> 'train_tokens')::float8) FILTER (WHERE t.step > "
-             "(SELECT min(step) FROM train_steps WHERE run_id = r.id)), "
-             "percentile_cont(0.5) WITHIN GROUP "
-             "(ORDER BY (t.metrics ->> 'train_tokens_per_s')::float8) "
+STEPS = text("SELECT t.step, extract(epoch FROM t.created_at), "
+             "(t.metrics ->> 'train_tokens')::float8, "
+             "(t.metrics ->> 'train_tokens_per_s')::float8 "
              "FROM train_steps t JOIN runs r ON r.id = t.run_id "
-             "WHERE r.name = :run AND t.metrics ? 'train_tokens'")
+             "WHERE r.name = :run AND t.metrics ? 'train_tokens' ORDER BY t.step")
+FIGURES = ("run tokens/s", "settled tokens/s", "step tokens/s")
 
 
-def one_run(tracked: bool, model: Path, scratch: Path, args) -> tuple[float, float]:
-    """(run tokens/s, median step tokens/s) of one run."""
+def rates(steps: list[tuple], settle: int) -> tuple[float, float, float]:
+    """Response tokens trained per second from the first step's commit to the last's, the
+    same from step `settle` on, and the median step's own tokens/s."""
+    def between(first: int) -> float:
+        window = steps[first:]
+        return sum(row[2] for row in window[1:]) / (window[-1][1] - window[0][1])
+    return between(0), between(settle), statistics.median(row[3] for row in steps)
+
+
+def one_run(tracked: bool, model: Path, scratch: Path, args) -> tuple[float, float, float]:
+    """The run's FIGURES."""
     name = f"bench-tracking-{'on' if tracked else 'off'}-{uuid.uuid4().hex[:6]}"
     raw = {"run": {"name": name, "placement": args.placement, "seed": 0},
            "model": {"path": str(model)},
@@ -69,8 +80,8 @@ def one_run(tracked: bool, model: Path, scratch: Path, args) -> tuple[float, flo
     config = parse_config(raw)
     pool.run(config, console=Console(quiet=True), view=False)
     with Store.open(config, quiet=True) as store, store.engine.connect() as conn:
-        seconds, tokens, step_rate = conn.execute(STEPS, {"run": name}).one()
-    return float(tokens) / float(seconds), float(step_rate)
+        steps = [tuple(map(float, row)) for row in conn.execute(STEPS, {"run": name})]
+    return rates(steps, args.settle)
 
 
 def main() -> None:
@@ -79,11 +90,13 @@ def main() -> None:
     parser.add_argument("--eval-interval", type=int, default=25)
     parser.add_argument("--placement", choices=("split", "colocated"), default="split")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--settle", type=int, default=10,
+                        help="steps left out of `settled tokens/s` (the trackers' start-up)")
     parser.add_argument("--trackers", nargs="+", default=list(TRACKERS), choices=TRACKERS)
     parser.add_argument("--db-url", default=None, help="default: the embedded server")
     args = parser.parse_args()
     console = Console()
-    results: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    results: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
     with tempfile.TemporaryDirectory(prefix="bench-tracking-") as folder:
         scratch = Path(folder)
         model = build_tiny_model(scratch / "tiny", seed=0)
@@ -91,14 +104,15 @@ def main() -> None:
         for repeat in range(args.repeats):
             for tracked in ((True, False) if repeat % 2 == 0 else (False, True)):
                 results[tracked].append(one_run(tracked, model, scratch, args))
+                figures = ", ".join(f"{value:,.0f} {name}" for name, value
+                                    in zip(FIGURES, results[tracked][-1]))
                 console.print(f"repeat {repeat + 1}, tracking {'on' if tracked else 'off'}: "
-                              f"{results[tracked][-1][0]:,.0f} run tokens/s, "
-                              f"{results[tracked][-1][1]:,.0f} step tokens/s")
+                              f"{figures}")
     table = Table(title=f"tracking on ({' + '.join(args.trackers)}) / off, {args.steps} "
                         f"steps, median of {args.repeats}")
     for column in ("figure", "off", "on", "on / off", "paired", f"paired >= {TARGET}"):
         table.add_column(column, justify="right" if column != "figure" else "left")
-    for index, figure in enumerate(("run tokens/s", "step tokens/s")):
+    for index, figure in enumerate(FIGURES):
         off = statistics.median(result[index] for result in results[False])
         on = statistics.median(result[index] for result in results[True])
         paired = statistics.median(on_run[index] / off_run[index] for on_run, off_run
@@ -107,7 +121,9 @@ def main() -> None:
                       f"{paired:.3f}", "met" if paired >= TARGET else "NOT met")
     console.print(table)
     console.print("paired: the median over repeats of on / off within a repeat (the two runs "
-                  "back to back), which a machine's drift between repeats moves least")
+                  "back to back), which a machine's drift between repeats moves least; "
+                  f"settled: from step {args.settle} on, after the trackers' start-up (their "
+                  "libraries' imports and opening their runs, once a run)")
 
 
 if __name__ == "__main__":

@@ -243,7 +243,7 @@ def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, db_url):
                                                "eval_interval": 100,
                                                "checkpoint_dir": str(tmp_path / "ckpt")})
     raw["tracking"] = {"tensorboard": {"dir": str(tmp_path / "tb")},
-                       "mlflow": {"tracking_uri": uri}}
+                       "mlflow": {"tracking_uri": uri}, "interval_s": 0.5}
     config = write_config(tmp_path / "run.yaml", raw)
     victim = start("run", str(config), cwd=tmp_path)
     wait_for(lambda: query(db_url, "SELECT count(*) FROM run_trackers WHERE last_step >= 3"

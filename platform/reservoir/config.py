@@ -151,6 +151,30 @@ def number(default: float, *, gt: float | None = None, ge: float | None = None,
 
 
 DAY = 86_400.0
+RAY_OWN = ("CPU", "GPU", "memory", "object_store_memory")  # asked for through Ray's own options
+
+
+def _ray_resources(value: dict[str, float]) -> dict[str, float]:
+    for name, amount in value.items():
+        if name in RAY_OWN:
+            raise ValueError(f"{name!r} is Ray's own (set device and threads); name a custom "
+                             "resource the nodes were started with (ray start --resources)")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.:-]{0,99}", name):
+            raise ValueError(f"resource name {name[:100]!r}: a letter, then letters, digits, "
+                             "_ . : - (at most 100)")
+        if not 0 < amount <= 1e6:
+            raise ValueError(f"resource {name!r}: {amount} is not in (0, 1e6]")
+    return value
+
+
+RayResources = Annotated[dict[str, Number], AfterValidator(_ray_resources)]
+
+
+def resources(role: str):
+    return Field(default_factory=dict, description=f"custom Ray resources each {role} actor "
+                 "asks for ({NAME: amount}): Ray places it only on nodes started with them "
+                 "(`ray start --resources '{\"NAME\": 1}'`), so this pins the role to "
+                 "machines; empty: any node")
 
 
 PIECES = "reservoir.trainer.algorithms"  # imported only when a config names a piece (torch)
@@ -412,6 +436,9 @@ class TrackingConfig(Section):
         default=None, description="MLflow: {tracking_uri, experiment}")
     wandb: WandbTracking | None = Field(
         default=None, description="Weights & Biases: {project, entity, mode, dir}")
+    interval_s: Number = number(5.0, ge=0.1, le=3600, description="seconds between the "
+                                "trackers' reads of the newly committed steps (each read logs "
+                                "every step since the last: fewer reads, less of the run's CPU)")
 
     @property
     def any(self) -> bool:
@@ -485,6 +512,7 @@ class ExplorerConfig(Section):
         default=(0.1, 0.9), description="[low, high] pass rates (1 - tasks.difficulty) that "
         "task_order: difficulty_band claims first")
     workers: Count = count(1, 1, 1024, "explorer workers (Ray actors)")
+    resources: RayResources = resources("explorer")
     claim_seconds: Number = number(300.0, gt=0, le=7 * DAY,
                                    description="a dead worker's tasks are claimed again after this")
     threads: Count | None = count(None, 1, 1024, "torch threads per worker; unset: the cores "
@@ -663,6 +691,7 @@ class TrainerConfig(Section):
         "backward passes in bf16 (autocast) while weights and optimizer state stay float32")
     gradient_checkpointing: bool = Field(default=False, description="recompute activations in "
                                          "the backward pass: less memory, ~30% more compute")
+    resources: RayResources = resources("trainer (its ranks run on its node)")
     workers: Count = count(1, 1, 1024, "data-parallel trainer ranks (torch.distributed: gloo "
                            "on CPU, NCCL on GPU); each step's groups are split between them")
     sharding: Literal["none", "fsdp2"] = Field(

@@ -60,10 +60,12 @@ def run(config: ReservoirConfig, *, resume: bool = False, console: Console | Non
         with _ray(config) as relay:
             gpus = gpu_shares(config, ray.cluster_resources().get("GPU", 0))
             config = _ray_devices(config, gpus)
-            trainer = _actor(TrainerWorker, gpus=gpus["trainer"]).remote(
+            trainer = _actor(TrainerWorker, gpus=gpus["trainer"],
+                             resources=config.trainer.resources).remote(
                 config, resume=resume, evaluate=partial(held_out_accuracy, config),
                 report=write_report, relay=relay.name)
-            explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS, gpus["explorer"]).remote(
+            explorers = [_actor(ExplorerWorker, EXPLORER_RESTARTS, gpus["explorer"],
+                                config.explorer.resources).remote(
                 config, index, relay=relay.name) for index in range(config.explorer.workers)]
             streams = [_actor(PipelineWorker, EXPLORER_RESTARTS).remote(
                 config, path, [config.run.name], relay=relay.name) for path in config.pipelines]
@@ -250,13 +252,14 @@ def _supervise(monitor: Monitor, console: Console, *, finished: Callable[[float]
                 say(DRIVER, STOPPING)
 
 
-def _actor(cls, restarts: int = 0, gpus: float = 0):
+def _actor(cls, restarts: int = 0, gpus: float = 0, resources: dict | None = None):
     """The class as a Ray actor that takes request_stop while run() goes on; Ray shows it only
-    the GPUs it declares (none: CUDA_VISIBLE_DEVICES is empty)."""
+    the GPUs it declares (none: CUDA_VISIBLE_DEVICES is empty) and places it on a node with the
+    custom `resources` it asks for."""
     import ray
 
-    return ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=2, max_restarts=restarts,
-                      max_task_retries=restarts)(cls)
+    return ray.remote(num_cpus=0, num_gpus=gpus, resources=resources or None,
+                      max_concurrency=2, max_restarts=restarts, max_task_retries=restarts)(cls)
 
 
 def gpu_shares(config: ReservoirConfig, available: float, *,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.store.door import Door, reading, writing
@@ -33,8 +35,25 @@ def save_state(conn: Connection, run_id: int, tracker: str, destination: str,
         set_={"external_id": external_id, "last_step": last_step, "updated_at": func.now()}))
 
 
+FOLLOWING = "hashtextextended('reservoir.trackers', :run_id)"  # the advisory lock's key
+
+
 class Trackers(Door):
     """`store.trackers`: the experiment trackers following each run."""
+
+    @contextlib.contextmanager
+    def following(self, run_id: int) -> Iterator[None]:
+        """Held while one process logs a run's trackers (a session advisory lock on a
+        connection of its own): another (a resumed run's, `reservoir runs track`) waits until
+        the first is done, so no step is logged by both; a process that dies lets go."""
+        with self.engine.connect() as conn:
+            conn.execute(text(f"SELECT pg_advisory_lock({FOLLOWING})"), {"run_id": run_id})
+            conn.commit()
+            try:
+                yield
+            finally:
+                conn.execute(text(f"SELECT pg_advisory_unlock({FOLLOWING})"), {"run_id": run_id})
+                conn.commit()
 
     state_of = reading(state_of)
     save_state = writing(save_state)

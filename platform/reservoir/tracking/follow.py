@@ -1,16 +1,18 @@
 """Trackers as views of the store: each follows a run's committed steps, in order, once.
 
-While a trainer runs, `follow` starts a process of its own (the tracker libraries' work never
-shares the trainer's interpreter: MLflow's file store alone cost the training step ~10 % from a
-thread beside it; it runs at nice 10) that every POLL_S reads the steps committed since each tracker's last one
-(store.ledger.steps_after) and logs them with the series the store holds about each step's
-window (tracking.series: explorer rates, pipeline counts, samples at evaluations), all but the
-newest step, whose evaluation may still be added to it; then it records how far it got
-(store.trackers): a run resumed after a crash, or `reservoir runs track` later, continues the
-same tracker run and logs no step twice. When the trainer ends, the process logs what is left,
-gives each tracker the run's report (its plots) as artifacts, closes them and exits. A tracker
-that fails (a server down, a full disk) is one warning and is dropped; the run goes on. The
-process's lines (its warnings) reach the trainer's log through a pipe, as the trainer's own.
+While a trainer runs, `follow` starts a process of its own, at nice 10 (the tracker libraries'
+work never shares the trainer's interpreter: MLflow's file store alone cost the training step
+~10 % from a thread beside it), that every `tracking.interval_s` reads the steps committed since
+each tracker's last one (store.ledger.steps_after) and logs them with the series the store holds
+about each step's window (tracking.series: explorer rates, pipeline counts, samples at
+evaluations), all but the newest step, whose evaluation may still be added to it; then it
+records how far it got (store.trackers): a run resumed after a crash, or `reservoir runs track`
+later, continues the same tracker run and logs no step twice (one process at a time logs a run:
+store.trackers.following). When the trainer ends, the process logs what is left, gives each
+tracker the run's report (its plots) as artifacts, closes them and exits; when the trainer is
+killed, it exits at once. A tracker that fails (a server down, a full disk) is one warning and
+is dropped; the run goes on. The process's lines (its warnings) reach the trainer's log
+through a pipe, as the trainer's own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from reservoir.tracking.trackers import STEP_KEY, configured
 
 Report = Callable[..., object]  # write_report(store, run, folder): reservoir.report's
 
-POLL_S = 1.0
 BATCH = 500  # steps read per query
 
 
@@ -206,8 +207,8 @@ class _ToParent(logging.Handler):
 
 def follower() -> None:
     """The trackers' process (`follow` starts it; nice 10: a view never takes the run's CPU):
-    its orders on stdin, then follow the run until the trainer says stop (or is gone: then what
-    it committed is logged and the report is left out)."""
+    its orders on stdin, then follow the run until the trainer says stop. When the trainer is
+    gone (killed) it stops at once: the resumed run, or `reservoir runs track`, logs the rest."""
     os.nice(10)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's, which says stop
     logging.getLogger(LOGGER).handlers = [_ToParent()]
@@ -216,20 +217,25 @@ def follower() -> None:
     from reservoir.store import Store
 
     config = ReservoirConfig.model_validate(orders["config"])
-    with Store.open(config, quiet=True) as store:
+    with Store.open(config, quiet=True) as store, \
+            store.trackers.following(store.run_id(config.run.name)):
         following = _Following(store, config.run.name, configured(config.tracking))
-        stopped = _until_stop(following, orders["parent"])
-        following.catch_up(hold_newest=not stopped)
-        if stopped and orders["report"]:
-            module, name = orders["report"].split(":")
-            following.attach(getattr(importlib.import_module(module), name))
-        following.close()
+        try:
+            if not _until_stop(following, orders["parent"], config.tracking.interval_s):
+                return
+            following.catch_up()
+            if orders["report"]:
+                module, name = orders["report"].split(":")
+                following.attach(getattr(importlib.import_module(module), name))
+        finally:
+            following.close()
 
 
-def _until_stop(following: _Following, parent: int) -> bool:
-    """Catch up every POLL_S until `stop` on stdin (True) or the trainer is gone (False)."""
+def _until_stop(following: _Following, parent: int, interval_s: float) -> bool:
+    """Catch up every `interval_s` until `stop` on stdin (True) or the trainer is gone: its
+    end of the pipe closed (False)."""
     while os.getppid() == parent:
-        if select.select([sys.stdin], [], [], POLL_S)[0]:
+        if select.select([sys.stdin], [], [], interval_s)[0]:
             return sys.stdin.buffer.readline().strip() == b"stop"
         following.catch_up(hold_newest=True)
     return False
@@ -238,7 +244,12 @@ def _until_stop(following: _Following, parent: int) -> bool:
 def replay(store, run: str, trackers: list, report: Report | None = None) -> int:
     """Log a run's committed steps (those each tracker has not logged yet) and its report, and
     close; returns how many steps were logged (`reservoir runs track`); ReservoirError if every
-    tracker failed (each said why)."""
+    tracker failed (each said why). Waits while the run's own trackers are logging it."""
+    with store.trackers.following(store.run_id(run)):
+        return _replay(store, run, trackers, report)
+
+
+def _replay(store, run: str, trackers: list, report: Report | None) -> int:
     following = _Following(store, run, trackers)
     try:
         logged = following.catch_up()

@@ -3,11 +3,12 @@
 A tracker takes a run's steps in order: `start(run, params, external_id)` opens (or, given the
 id it returned before, continues) its run and returns its id; `last_logged()` is the last step
 its own records hold (a process killed between logging a step and recording it in the store
-logs it no second time); `log(step, scalars, stage, samples)` (samples: a few rows trained at an
-evaluation, a table) for each step of a batch, then `flush()`; `artifacts(folder)` (the run's report: PNG plots and index.html) and
-`close()`. Each step carries
-`reservoir/step`, so the last one logged is read back from the tracker itself. Libraries are asked not to reach the network unless told to (W&B offline, MLflow's
-retries bounded), since a tracker must never slow or stop a run.
+logs it no second time); `log(step, scalars, stage, samples)` (samples: a few rows trained at
+an evaluation, a table) for each step of a batch, then `flush()`; `artifacts(folder)` (the
+run's report: PNG plots and index.html) and `close()`. Each step carries `reservoir/step`, so
+the last one logged is read back from the tracker itself. Libraries are asked not to reach the
+network unless told to (W&B offline, MLflow's retries bounded), since a tracker must never slow
+or stop a run.
 """
 
 from __future__ import annotations
