@@ -214,7 +214,8 @@ def relayed(relay: str | None, worker: str) -> Iterator[None]:
     """In a Ray actor: the worker's lines, and what it prints, go to the driver by the relay
     actor of that name (a name, not a handle: Ray keeps an actor handle given to a restartable
     actor's constructor in its object store, and says so on the driver's stderr). None: this
-    process's own handlers, as in `reservoir train`."""
+    process's own handlers, as in `reservoir train`. Its first line says which Ray node it runs
+    on (the id `ray status` and the dashboard show, and its address)."""
     if relay is None:
         yield
         return
@@ -222,6 +223,8 @@ def relayed(relay: str | None, worker: str) -> Iterator[None]:
 
     logger = logging.getLogger(LOGGER)
     previous, logger.handlers = logger.handlers, [_ToRelay(ray.get_actor(relay))]
+    say(worker, f"on Ray node {ray.get_runtime_context().get_node_id()} "
+                f"({ray.util.get_node_ip_address()})")
     try:
         with contextlib.redirect_stdout(_Lines(worker, logging.INFO)), \
                 contextlib.redirect_stderr(_Lines(worker, logging.WARNING)):

@@ -22,7 +22,7 @@ from typing import Callable
 from rich.console import Console
 
 from reservoir.colocated import Colocated
-from reservoir.config import ReservoirConfig
+from reservoir.config import RAY_OWN, ReservoirConfig
 from reservoir.devices import gpus_wanted
 from reservoir.errors import Abandoned, ConfigError, ReservoirError
 from reservoir.explorer.evaluate import held_out_accuracy
@@ -60,6 +60,7 @@ def run(config: ReservoirConfig, *, resume: bool = False, console: Console | Non
         with _ray(config) as relay:
             gpus = gpu_shares(config, ray.cluster_resources().get("GPU", 0))
             config = _ray_devices(config, gpus)
+            _check_placeable(config)
             trainer = _actor(TrainerWorker, gpus=gpus["trainer"],
                              resources=config.trainer.resources).remote(
                 config, resume=resume, evaluate=partial(held_out_accuracy, config),
@@ -77,7 +78,7 @@ def run(config: ReservoirConfig, *, resume: bool = False, console: Console | Non
                        stop=lambda: [w.request_stop.remote() for w in workers],
                        drain=relay.drain, view=view)
             try:
-                summary = _unwrap(lambda: ray.get(done))
+                summary = _unwrap(lambda: _trainer_result(done, store, config.run.name))
             finally:  # its explorers and streams would wait for a failed trainer to resume
                 relay.drain()
                 for worker in workers[1:]:
@@ -85,6 +86,23 @@ def run(config: ReservoirConfig, *, resume: bool = False, console: Console | Non
             _report(explored + streamed)
             relay.drain()
     return summary
+
+
+def _trainer_result(done, store: Store, run: str) -> RunSummary:
+    """The trainer's summary; its actor lost (its node gone, its process killed): the run is
+    marked failed and stops with one line (ReservoirError) saying how to continue it."""
+    import ray
+
+    try:
+        return ray.get(done)
+    except ray.exceptions.RayActorError as exc:
+        store.runs.set_status(store.run_id(run), "failed")
+        cause = " ".join(str(exc).split())
+        cause = "its node was lost" if "node" in cause.lower() else "its process died"
+        raise ReservoirError(
+            f"run {run!r}: the trainer's Ray actor is gone ({cause}); the run is stopped at its "
+            "last committed step: continue it on any node that sees trainer.checkpoint_dir "
+            "with `reservoir run CONFIG --resume`") from None
 
 
 def _report(refs: list) -> None:
@@ -260,6 +278,24 @@ def _actor(cls, restarts: int = 0, gpus: float = 0, resources: dict | None = Non
 
     return ray.remote(num_cpus=0, num_gpus=gpus, resources=resources or None,
                       max_concurrency=2, max_restarts=restarts, max_task_retries=restarts)(cls)
+
+
+def _check_placeable(config: ReservoirConfig) -> None:
+    """A line for each role whose custom resources no live node offers now: its actors wait
+    for such a node (one an autoscaler adds, or a typo: the line says which)."""
+    import ray
+
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    for key, wanted in (("trainer.resources", config.trainer.resources),
+                        ("explorer.resources", config.explorer.resources)):
+        if wanted and not any(all(node.get(name, 0) >= amount for name, amount in wanted.items())
+                              for node in nodes):
+            offered = sorted({name for node in nodes for name in node
+                              if name not in RAY_OWN
+                              and not name.startswith(("node:", "accelerator_type:"))})
+            warn(DRIVER, f"{key}: no node of the Ray cluster offers {wanted} now (its nodes "
+                         f"offer {', '.join(offered) or 'no custom resources'}); the actors "
+                         "wait for one (ray start --resources, or an autoscaler)")
 
 
 def gpu_shares(config: ReservoirConfig, available: float, *,

@@ -40,6 +40,7 @@ from reservoir.tracking.trackers import STEP_KEY, configured
 Report = Callable[..., object]  # write_report(store, run, folder): reservoir.report's
 
 BATCH = 500  # steps read per query
+FOLLOWER_SECTIONS = ("run", "store", "sampler", "tracking")  # of the config, for the follower
 
 
 def _scalars(loss, metrics) -> dict[str, float]:
@@ -168,7 +169,8 @@ def follow(config, store, report: Report | None = None) -> Iterator[None]:
     process = subprocess.Popen(
         [sys.executable, "-c", "from reservoir.tracking.follow import follower; follower()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    orders = {"config": config.model_dump(mode="json"), "parent": os.getpid(),
+    dumped = config.model_dump(mode="json")  # what the follower needs: no model, no torch
+    orders = {"config": {key: dumped[key] for key in FOLLOWER_SECTIONS}, "parent": os.getpid(),
               "report": f"{report.__module__}:{report.__qualname__}" if report else None}
     process.stdin.write(json.dumps(orders).encode() + b"\n")
     process.stdin.flush()

@@ -1,0 +1,163 @@
+"""A run on a Ray cluster of several nodes on this machine (Ray's own ray.cluster_utils.Cluster:
+each node a raylet with its own resources and worker processes, one GCS): roles pinned to nodes
+by `trainer.resources` / `explorer.resources`, and a node lost mid-run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from ray._private import ray_constants
+
+from reservoir.models import build_tiny_model
+from tests.test_recovery import finish, query, start, wait_for, write_config
+from tests.test_run import ledger
+
+pytestmark = [pytest.mark.slow, pytest.mark.process]
+
+
+@pytest.fixture
+def cluster():
+    """A head node offering `trainer_node` and two nodes offering `explorer_node` (2 each)."""
+    from ray.cluster_utils import Cluster
+
+    ray_cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"trainer_node": 1}})
+    nodes = [ray_cluster.head_node] + [ray_cluster.add_node(
+        num_cpus=1, resources={"explorer_node": 2}) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    yield ray_cluster, nodes
+    ray_cluster.shutdown()
+
+
+def cluster_config(tmp_path, db_url, address: str, name: str, **explorer) -> dict:
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    return {"run": {"name": name, "ray_address": address}, "model": {"path": str(model)},
+            "tasks": {"generate": "reverse", "count": 200},
+            "explorer": {"n": 4, "batch_tasks": 2, "max_tokens": 8, "workers": 2,
+                         "claim_seconds": 3, "resources": {"explorer_node": 1}, **explorer},
+            "trainer": {"steps": 6, "batch_groups": 2, "micro_batch": 8, "eval_interval": 100,
+                        "resources": {"trainer_node": 1},
+                        "checkpoint_dir": str(tmp_path / "checkpoints")},
+            "store": {"url": db_url}}
+
+
+def nodes_of(output: str) -> dict[str, str]:
+    """Each worker's Ray node, from the line it says first (`on Ray node ID (address)`)."""
+    return {worker.split("@")[0]: node for worker, node in
+            re.findall(r"\d\d:\d\d:\d\d (\S+): on Ray node ([0-9a-f]+) ", output)}
+
+
+def node_of_process(pid: int, nodes: list) -> int:
+    """Which of `nodes` a worker process runs on: its parent is that node's raylet."""
+    parent = psutil.Process(pid).ppid()
+    return next(index for index, node in enumerate(nodes) if parent == node.all_processes[
+        ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+
+
+def assert_whole(db_url: str, steps: int) -> None:
+    """Every step has its ledger, no row trained twice or left leased, no claim left."""
+    found = ledger(db_url)
+    assert found["steps"] == list(range(steps + 1)) and found["status"] == "finished", found
+    assert (found["bad_steps"], found["trained_twice"], found["live_claims"]) == (0, 0, 0)
+    assert query(db_url, "SELECT count(*) FROM experiences WHERE status = 'leased'")[0][0] == 0
+    assert query(db_url, "SELECT count(*) FROM batch_items")[0][0] == query(
+        db_url, "SELECT count(*) FROM experiences WHERE status = 'consumed'")[0][0]
+
+
+def test_roles_run_on_the_nodes_their_resources_name(tmp_path, db_url, cluster):
+    ray_cluster, nodes = cluster
+    config = write_config(tmp_path / "run.yaml", cluster_config(
+        tmp_path, db_url, ray_cluster.address, "on-three-nodes",
+        resources={"explorer_node": 2}))  # one explorer fills a node: the two are apart
+    output = finish(start("run", str(config), cwd=tmp_path))
+    placed = nodes_of(output)
+    node_ids = [node.node_id for node in nodes]
+    assert placed["trainer"] == node_ids[0], output
+    assert sorted([placed["explorer-0"], placed["explorer-1"]]) == sorted(node_ids[1:]), output
+    assert_whole(db_url, 6)
+
+
+def test_losing_the_explorers_node_mid_run_loses_no_row(tmp_path, db_url, cluster):
+    """The node of an explorer holding claims goes (its raylet and workers killed): Ray starts
+    its explorers again on the node left, the dead ones' claims expire and are claimed again,
+    and the run finishes whole."""
+    ray_cluster, nodes = cluster
+    raw = cluster_config(tmp_path, db_url, ray_cluster.address, "lose-a-node")
+    raw["trainer"]["steps"] = 12
+    config = write_config(tmp_path / "run.yaml", raw)
+    run = start("run", str(config), cwd=tmp_path)
+
+    def an_explorer_node_with_claims():
+        claims = query(db_url, "SELECT DISTINCT claimed_by FROM tasks "
+                               "WHERE claim_token IS NOT NULL AND claimed_until > now()")
+        trained = query(db_url, "SELECT count(*) FROM train_steps WHERE step > 0")[0][0]
+        if not claims or trained < 2:
+            return None
+        return node_of_process(int(claims[0][0].rsplit(":", 1)[1]), nodes)
+
+    lost = wait_for(an_explorer_node_with_claims, timeout=240, every=0.05)
+    assert lost in (1, 2)
+    ray_cluster.remove_node(nodes[lost], allow_graceful=False)
+    output = finish(run, timeout=600)
+    assert query(db_url, "SELECT max(step) FROM train_steps")[0][0] == 12
+    assert_whole(db_url, 12)
+    survivors = {node for worker, node in nodes_of(output).items() if worker != "trainer"}
+    assert nodes[3 - lost].node_id in survivors, output  # explorers started again there
+
+
+def test_losing_the_trainer_s_node_stops_the_run_and_resume_elsewhere_ends_as_uninterrupted(
+        tmp_path, db_url, new_database, template_db):
+    """The trainer's node goes mid-run: one line, the run is failed; `--resume` places the
+    trainer on the other node offering `trainer_node` and ends with the weights of a run never
+    interrupted (a supervised stage on the tasks' answers: its batches depend on the seed only).
+    The head holds no role: removing it would take the cluster's GCS with it."""
+    from ray.cluster_utils import Cluster
+
+    from reservoir.models import load_model
+
+    ray_cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        nodes = [ray_cluster.head_node,
+                 ray_cluster.add_node(num_cpus=1, resources={"trainer_node": 1}),
+                 ray_cluster.add_node(num_cpus=1, resources={"trainer_node": 1,
+                                                             "explorer_node": 1})]
+        ray_cluster.wait_for_nodes()
+        raw = cluster_config(tmp_path, db_url, ray_cluster.address, "lose-the-trainer")
+        raw["explorer"]["workers"] = 1
+        raw["trainer"].update(checkpoint_interval=4, steps=12)
+        raw["stages"] = [{"name": "sft", "algorithm": "sft", "steps": 12, "lr": 1e-3,
+                          "batch": 8, "data": "tasks"}]
+        config = write_config(tmp_path / "run.yaml", raw)
+        run = start("run", str(config), cwd=tmp_path)
+        wait_for(lambda: query(db_url, "SELECT 1 FROM train_steps WHERE step >= 6"),
+                 timeout=240, every=0.05)
+        trainer_node = next(index for index in (1, 2) if any(
+            "TrainerWorker" in " ".join(child.cmdline()) for child in psutil.Process(
+                nodes[index].all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+            ).children()))
+        ray_cluster.remove_node(nodes[trainer_node], allow_graceful=False)
+        output, _ = run.communicate(timeout=300)
+        assert run.returncode == 1, output
+        assert "the trainer's Ray actor is gone" in output and "--resume" in output, output
+        assert ledger(db_url)["status"] == "failed"
+        assert query(db_url, "SELECT max(step) FROM train_steps")[0][0] < 12
+        if trainer_node == 2:  # the node left must offer trainer_node for the resume
+            ray_cluster.add_node(num_cpus=1, resources={"trainer_node": 1})
+            ray_cluster.wait_for_nodes()
+        finish(start("run", str(config), "--resume", cwd=tmp_path), timeout=300)
+        assert ledger(db_url)["status"] == "finished"
+    finally:
+        ray_cluster.shutdown()
+
+    straight_url = new_database(template_db)  # the same run, never interrupted, on no cluster
+    raw.update(store={"url": straight_url}, run={"name": "lose-the-trainer"})
+    raw["trainer"]["checkpoint_dir"] = str(tmp_path / "straight")
+    finish(start("train", str(write_config(tmp_path / "straight.yaml", raw)), cwd=tmp_path))
+    weights = [load_model(Path(folder) / "lose-the-trainer" / "step-000012")[0].state_dict()
+               for folder in (tmp_path / "checkpoints", tmp_path / "straight")]
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)
