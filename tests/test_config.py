@@ -184,3 +184,20 @@ def test_the_classic_warm_up_keeps_trainer_warmup_fraction(write, capsys):
     config = load_config(write("tasks: {generate: reverse}\n"
                                "trainer: {warmup_steps: 3, warmup_fraction: 0.25}\n"))
     assert plan(config)[0].data.tasks.fraction == 0.25 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("body, key, rule", [
+    ("explorer:\n  resources: {GPU: 1}\n", "explorer.resources", "'GPU' is Ray's own"),
+    ("trainer:\n  resources: {CPU: 2}\n", "trainer.resources", "'CPU' is Ray's own"),
+    ("explorer:\n  resources: {'a b': 1}\n", "explorer.resources", "resource name 'a b'"),
+    ("explorer:\n  resources: {node_a: 0}\n", "explorer.resources", "not in \\(0, 1e6\\]"),
+    ("explorer:\n  resources: {node_a: .inf}\n", "explorer.resources.node_a", "finite"),
+    ("trainer:\n  resources: {node_a: yes}\n", "trainer.resources.node_a", ""),
+])
+def test_ray_resources_are_custom_named_and_in_range(write, body, key, rule):
+    message = config_error(write(body))
+    assert re.search(rf"{re.escape(key)} \(line \d+\): [^;]*{rule}", message), message
+    config = load_config(write("explorer:\n  resources: {explorer_node: 0.5}\n"
+                               "trainer:\n  resources: {'gpu-node:a100': 1}\n"))
+    assert (config.explorer.resources, config.trainer.resources) == (
+        {"explorer_node": 0.5}, {"gpu-node:a100": 1.0})

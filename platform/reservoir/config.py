@@ -170,11 +170,11 @@ def _ray_resources(value: dict[str, float]) -> dict[str, float]:
 RayResources = Annotated[dict[str, Number], AfterValidator(_ray_resources)]
 
 
-def resources(role: str):
+def resources(role: str, extra: str = ""):
     return Field(default_factory=dict, description=f"custom Ray resources each {role} actor "
                  "asks for ({NAME: amount}): Ray places it only on nodes started with them "
                  "(`ray start --resources '{\"NAME\": 1}'`), so this pins the role to "
-                 "machines; empty: any node")
+                 f"machines{extra}; empty: any node")
 
 
 PIECES = "reservoir.trainer.algorithms"  # imported only when a config names a piece (torch)
@@ -691,7 +691,7 @@ class TrainerConfig(Section):
         "backward passes in bf16 (autocast) while weights and optimizer state stay float32")
     gradient_checkpointing: bool = Field(default=False, description="recompute activations in "
                                          "the backward pass: less memory, ~30% more compute")
-    resources: RayResources = resources("trainer (its ranks run on its node)")
+    resources: RayResources = resources("trainer", " (its ranks run on its node)")
     workers: Count = count(1, 1, 1024, "data-parallel trainer ranks (torch.distributed: gloo "
                            "on CPU, NCCL on GPU); each step's groups are split between them")
     sharding: Literal["none", "fsdp2"] = Field(

@@ -173,17 +173,22 @@ def step_pairs(conn: Connection, run_id: int, step: int) -> list[tuple[int, int]
 def step_samples(conn: Connection, run_id: int, step: int, most: int = 4) -> list[dict]:
     """A few of the rows a committed step trained on, in id order: prompt, response, reward
     (what trackers show beside an evaluation)."""
-    data = experience_data.c
-    stmt = (select(data.prompt_text.label("prompt"), data.response_text.label("response"),
-                   data.reward, data.shaped_reward)
-            .select_from(batch_items.join(train_steps, train_steps.c.id ==
-                                          batch_items.c.train_step_id)
-                         .join(experience_data, (data.run_id == batch_items.c.run_id)
-                               & (data.id == batch_items.c.experience_id)))
-            .where(train_steps.c.run_id == run_id, train_steps.c.step == step)
-            .order_by(batch_items.c.experience_id).limit(most))
     return [{str(key): value for key, value in row._mapping.items()}
-            for row in conn.execute(stmt)]
+            for row in conn.execute(samples_statement(run_id, step, most))]
+
+
+def samples_statement(run_id: int, step: int, most: int):
+    """The run named on each partitioned table (batch_items, experience_data): the server then
+    reads that run's partitions only, however many runs the store holds."""
+    data, items = experience_data.c, batch_items.c
+    return (select(data.prompt_text.label("prompt"), data.response_text.label("response"),
+                   data.reward, data.shaped_reward)
+            .select_from(batch_items.join(train_steps, train_steps.c.id == items.train_step_id)
+                         .join(experience_data, (data.run_id == items.run_id)
+                               & (data.id == items.experience_id)))
+            .where(train_steps.c.run_id == run_id, train_steps.c.step == step,
+                   items.run_id == run_id, data.run_id == run_id)
+            .order_by(items.experience_id).limit(most))
 
 
 def step_time(conn: Connection, run_id: int, step: int):
