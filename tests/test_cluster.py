@@ -4,7 +4,9 @@ by `trainer.resources` / `explorer.resources`, and a node lost mid-run."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -13,6 +15,7 @@ import torch
 from ray._private import ray_constants
 
 from reservoir.models import build_tiny_model
+from tests.commands import RESERVOIR
 from tests.test_recovery import finish, query, start, wait_for, write_config
 from tests.test_run import ledger
 
@@ -109,6 +112,7 @@ def test_losing_the_explorers_node_mid_run_loses_no_row(tmp_path, db_url, cluste
     assert nodes[3 - lost].node_id in survivors, output  # explorers started again there
 
 
+@pytest.mark.timeout(600)
 def test_losing_the_trainer_s_node_stops_the_run_and_resume_elsewhere_ends_as_uninterrupted(
         tmp_path, db_url, new_database, template_db):
     """The trainer's node goes mid-run: one line, the run is failed; `--resume` places the
@@ -132,15 +136,17 @@ def test_losing_the_trainer_s_node_stops_the_run_and_resume_elsewhere_ends_as_un
         raw["stages"] = [{"name": "sft", "algorithm": "sft", "steps": 12, "lr": 1e-3,
                           "batch": 8, "data": "tasks"}]
         config = write_config(tmp_path / "run.yaml", raw)
-        run = start("run", str(config), cwd=tmp_path)
+        log = tmp_path / "run.log"
+        run = subprocess.Popen([str(RESERVOIR), "run", str(config)], cwd=tmp_path,
+                               stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               env={**os.environ, "COLUMNS": "200"})
         wait_for(lambda: query(db_url, "SELECT 1 FROM train_steps WHERE step >= 6"),
                  timeout=240, every=0.05)
-        trainer_node = next(index for index in (1, 2) if any(
-            "TrainerWorker" in " ".join(child.cmdline()) for child in psutil.Process(
-                nodes[index].all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-            ).children()))
+        trainer_on = nodes_of(log.read_text())["trainer"]
+        trainer_node = next(i for i in (1, 2) if nodes[i].node_id == trainer_on)
         ray_cluster.remove_node(nodes[trainer_node], allow_graceful=False)
-        output, _ = run.communicate(timeout=300)
+        run.wait(timeout=300)
+        output = log.read_text()
         assert run.returncode == 1, output
         assert "the trainer's Ray actor is gone" in output and "--resume" in output, output
         assert ledger(db_url)["status"] == "failed"

@@ -38,7 +38,7 @@ from reservoir.store import Store
 from reservoir.trainer.worker import RunSummary, TrainerWorker
 from reservoir.plan.stages import total_steps
 
-EXPLORER_RESTARTS = 3  # Ray restarts a dead explorer actor this often, and retries its run
+EXPLORER_RESTARTS = 3  # Ray restarts a dead explorer actor this often, and calls its run again
 DRIVER = "reservoir"   # the driver's own log lines' worker
 STOPPING = "stopping: workers finish their step and checkpoint (Ctrl-C again to abort)"
 
@@ -273,11 +273,16 @@ def _supervise(monitor: Monitor, console: Console, *, finished: Callable[[float]
 def _actor(cls, restarts: int = 0, gpus: float = 0, resources: dict | None = None):
     """The class as a Ray actor that takes request_stop while run() goes on; Ray shows it only
     the GPUs it declares (none: CUDA_VISIBLE_DEVICES is empty) and places it on a node with the
-    custom `resources` it asks for."""
+    custom `resources` it asks for. A restartable one (explorers, streams) that dies, with its
+    node say, is started again up to `restarts` times, on any node that fits, and its run()
+    is called again there however long that takes (Ray retries a call only for a lost actor,
+    never for an error of ours); until then the trainer waits for rows, up to
+    trainer.wait_timeout_s."""
     import ray
 
     return ray.remote(num_cpus=0, num_gpus=gpus, resources=resources or None,
-                      max_concurrency=2, max_restarts=restarts, max_task_retries=restarts)(cls)
+                      max_concurrency=2, max_restarts=restarts,
+                      max_task_retries=-1 if restarts else 0)(cls)
 
 
 def _check_placeable(config: ReservoirConfig) -> None:
@@ -340,7 +345,11 @@ class _ray:
         logging.getLogger("ray").propagate = True  # Ray's warnings: lines of ours (logs.output)
         ray.init(address=self.address, include_dashboard=False, configure_logging=False,
                  log_to_driver=False)
-        self.actor = ray.remote(num_cpus=0)(Relay).options(name=self.name).remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.actor = ray.remote(num_cpus=0)(Relay).options(  # on the driver's node: it lives
+            name=self.name, scheduling_strategy=here).remote()  # as long as the driver does
         return self
 
     def drain(self) -> None:
