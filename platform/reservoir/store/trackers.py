@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from sqlalchemy import Connection, func, select, text
+from sqlalchemy import Connection, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reservoir.store.door import Door, reading, writing
@@ -35,7 +35,9 @@ def save_state(conn: Connection, run_id: int, tracker: str, destination: str,
         set_={"external_id": external_id, "last_step": last_step, "updated_at": func.now()}))
 
 
-FOLLOWING = "hashtextextended('reservoir.trackers', :run_id)"  # the advisory lock's key
+def _following_key(run_id: int):
+    """The advisory lock's key: the run's, in a space of the trackers' own."""
+    return func.hashtextextended("reservoir.trackers", run_id)
 
 
 class Trackers(Door):
@@ -47,12 +49,12 @@ class Trackers(Door):
         connection of its own): another (a resumed run's, `reservoir runs track`) waits until
         the first is done, so no step is logged by both; a process that dies lets go."""
         with self.engine.connect() as conn:
-            conn.execute(text(f"SELECT pg_advisory_lock({FOLLOWING})"), {"run_id": run_id})
+            conn.execute(select(func.pg_advisory_lock(_following_key(run_id))))
             conn.commit()
             try:
                 yield
             finally:
-                conn.execute(text(f"SELECT pg_advisory_unlock({FOLLOWING})"), {"run_id": run_id})
+                conn.execute(select(func.pg_advisory_unlock(_following_key(run_id))))
                 conn.commit()
 
     state_of = reading(state_of)
