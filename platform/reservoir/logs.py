@@ -168,16 +168,20 @@ class Relay:
         return taken
 
 
+def event_of(record: logging.LogRecord) -> dict:
+    """A line as a JSON-able event another process says again (`replay`)."""
+    return {"name": record.name, "msg": record.getMessage(), "levelno": record.levelno,
+            "levelname": record.levelname, "created": record.created,
+            "worker": _worker(record)}
+
+
 class _ToRelay(logging.Handler):
     def __init__(self, relay) -> None:
         super().__init__()
         self.relay = relay
 
     def emit(self, record: logging.LogRecord) -> None:
-        event = {"name": record.name, "msg": record.getMessage(), "levelno": record.levelno,
-                 "levelname": record.levelname, "created": record.created,
-                 "worker": _worker(record)}
-        self.relay.put.remote([event])  # not waited for: Ray keeps one caller's calls in order
+        self.relay.put.remote([event_of(record)])  # Ray keeps one caller's calls in order
 
 
 class _Lines(io.TextIOBase):

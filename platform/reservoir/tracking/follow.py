@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from reservoir.errors import ReservoirError, StoreError
-from reservoir.logs import LOGGER, warn
+from reservoir.logs import LOGGER, event_of, replay as say_again, warn
 from reservoir.tracking.series import StepSeries, step_series
 from reservoir.tracking.trackers import STEP_KEY, configured
 
@@ -189,21 +189,17 @@ def follow(config, store, report: Report | None = None) -> Iterator[None]:
 
 def _say_lines(stream) -> None:
     """The follower's log lines (JSON, one a line), said here as they come, until it ends."""
-    logger = logging.getLogger(LOGGER)
     for line in stream:
         with contextlib.suppress(ValueError):
-            logger.handle(logging.makeLogRecord(json.loads(line)))
+            say_again([json.loads(line)])
 
 
 class _ToParent(logging.Handler):
     """The follower's lines as JSON on its stdout, which its trainer reads (_say_lines)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        event = {"name": record.name, "msg": record.getMessage(), "levelno": record.levelno,
-                 "levelname": record.levelname, "created": record.created,
-                 "worker": getattr(record, "worker", None)}
         with contextlib.suppress(OSError):
-            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.write(json.dumps(event_of(record)) + "\n")
             sys.stdout.flush()
 
 
