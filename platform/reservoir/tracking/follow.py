@@ -172,8 +172,9 @@ def follow(config, store, report: Report | None = None) -> Iterator[None]:
     dumped = config.model_dump(mode="json")  # what the follower needs: no model, no torch
     orders = {"config": {key: dumped[key] for key in FOLLOWER_SECTIONS}, "parent": os.getpid(),
               "report": f"{report.__module__}:{report.__qualname__}" if report else None}
-    process.stdin.write(json.dumps(orders).encode() + b"\n")
-    process.stdin.flush()
+    with contextlib.suppress(OSError):  # a follower dead at its start never stops the run
+        process.stdin.write(json.dumps(orders).encode() + b"\n")
+        process.stdin.flush()
     lines = threading.Thread(target=_say_lines, args=(process.stdout,), name="tracker-lines",
                              daemon=True)
     lines.start()
