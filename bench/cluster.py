@@ -5,10 +5,12 @@
     of that run would: it writes its rows through `Store.write_groups`, then leases and commits
     them all through `Store.lease` + `Store.commit_step`, the R processes in step (a barrier
     before each phase). The same runs are placed three ways: all on one server; over the K
-    servers by a hash of the run's name (placement that needs no table); and round robin
-    (balanced). After each round every run is checked on its server (all rows consumed, a
-    ledger row each, on no other server) and deleted. Printed: rows/s of all processes
-    together per phase, and against one server the median of the repeats' own ratios.
+    servers by a hash of the run's name (placement that needs no table); and through
+    `store.urls` as `reservoir run` places them (each process routes its config with
+    `servers.routed`: run_servers on the first server, least declared demand). After each
+    round every run is checked on its server (all rows consumed, a ledger row each, on no other
+    server) and deleted with its placement. Printed: rows/s of all processes together per
+    phase, and against one server the median of the repeats' own ratios.
 (b) simulated: a cluster of G GPUs, each generating `--rollouts-per-gpu` rows/s, split into runs
     of 8 to 256 GPUs (drawn at random; a writer and a lessee process per host of 8 GPUs),
     placed over N store nodes by hash of name, by least demand, or least demand with runs too
@@ -45,15 +47,16 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
 
-from reservoir.config import ReservoirConfig, SamplerConfig, StoreConfig
+from reservoir.config import ReservoirConfig, RunSection, SamplerConfig, StoreConfig
+from reservoir.plan.urls import redact, server_key
+from reservoir.servers import routed
 from reservoir.store import Store, server
-from reservoir.plan.urls import redact
 from reservoir.store.runs import delete_run
 
 from store import make_pool, run_main, timed_leases, timed_writes  # bench/store.py
 
 console = Console(width=None if sys.stdout.isatty() else 120)
-PLACEMENTS = ("one server", "by hash", "round robin")
+PLACEMENTS = ("one server", "by hash", "store.urls")
 POLICIES = ("by hash", "least demand", "sharded")
 RUN_GPUS = (8, 16, 32, 64, 128, 256)  # run sizes drawn with equal chance
 GPUS_PER_HOST = 8
@@ -116,20 +119,25 @@ def place(run: str, n_servers: int) -> int:
     return int.from_bytes(hashlib.sha256(run.encode()).digest()[:8], "big") % n_servers
 
 
-def placement(names: list[str], how: str, n_servers: int) -> list[int]:
-    if how == "one server":
-        return [0] * len(names)
-    if how == "by hash":
-        return [place(name, n_servers) for name in names]
-    return [i % n_servers for i in range(len(names))]
+def run_config(urls: list[str], how: str, run: str) -> ReservoirConfig:
+    """The run's config: on the first server, on its hash's server, or over `store.urls`
+    (placed through run_servers by least declared demand when the run opens its store)."""
+    sampler = SamplerConfig(unit="rows")
+    if how == "store.urls":
+        return ReservoirConfig(run=RunSection(name=run), store=StoreConfig(urls=urls),
+                               sampler=sampler)
+    url = urls[0] if how == "one server" else urls[place(run, len(urls))]
+    return ReservoirConfig(run=RunSection(name=run), store=StoreConfig(url=url), sampler=sampler)
 
 
-def _run_process(url: str, run: str, rows: int, seed: int, args, barrier, results) -> None:
-    """One run: make its rows (untimed), write them all, then lease and commit them all; each
+def _run_process(config: ReservoirConfig, rows: int, seed: int, args, barrier,
+                 results) -> None:
+    """One run: made where its config says (`servers.routed` for store.urls, as `reservoir
+    run` does), its rows made (untimed), written all, then leased and committed all; each
     phase starts with the other runs' (a barrier) and its start and end times are reported."""
+    run = config.run.name
     try:
-        config = ReservoirConfig(store=StoreConfig(url=url), sampler=SamplerConfig(unit="rows"))
-        store = Store.open(config, quiet=True)
+        store = Store.open(routed(config, create=True), quiet=True, migrate=True)
         store.create_run(run, group_size=args.group_size)
         pool = make_pool(run, rows // args.group_size, args.group_size, seed)
         barrier.wait(timeout=600)
@@ -156,6 +164,14 @@ WHERE r.name = ANY(:names) GROUP BY r.id, r.name
 """)
 
 
+def servers_of(urls: list[str], stores: list[Store], how: str, names: list[str]) -> list[int]:
+    """Where each run went: read from run_servers for store.urls, else its config's server."""
+    if how != "store.urls":
+        return [urls.index(run_config(urls, how, name).store.url) for name in names]
+    keys = [server_key(url) for url in urls]
+    return [keys.index(stores[0].run_servers.server_of(name)) for name in names]
+
+
 def check_runs(stores: list[Store], names: list[str], servers: list[int], rows: int) -> None:
     """Each run is on the server it was placed on, and only there, with all its rows consumed
     and a ledger row each."""
@@ -170,7 +186,8 @@ def check_runs(stores: list[Store], names: list[str], servers: list[int], rows: 
 
 
 def delete_runs(stores: list[Store], names: list[str]) -> None:
-    """The runs of a round, wherever they got to (their partitions dropped)."""
+    """The runs of a round, wherever they got to (their partitions dropped), and where they
+    were placed (the next round places them again)."""
     for store in stores:
         with store.engine.begin() as conn:
             there = conn.execute(text("SELECT name FROM runs WHERE name = ANY(:names)"),
@@ -178,17 +195,18 @@ def delete_runs(stores: list[Store], names: list[str]) -> None:
         for name in there:
             with store.engine.begin() as conn:
                 delete_run(conn, name)
+    for name in names:
+        stores[0].run_servers.remove(name)
 
 
 def measure_once(urls: list[str], stores: list[Store], how: str, names: list[str],
                  args) -> tuple[float, float, list[int]]:
     """(write rows/s, lease+commit rows/s, runs per server) of one placement, checked."""
-    servers = placement(names, how, len(urls))
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(args.runs), context.Queue()
     procs = [context.Process(target=_run_process, args=(
-        urls[s], name, args.rows_per_run, args.seed * 1000 + i, args, barrier, results))
-        for i, (name, s) in enumerate(zip(names, servers))]
+        run_config(urls, how, name), args.rows_per_run, args.seed * 1000 + i, args, barrier,
+        results)) for i, name in enumerate(names)]
     try:
         for proc in procs:
             proc.start()
@@ -198,6 +216,7 @@ def measure_once(urls: list[str], stores: list[Store], how: str, names: list[str
         failed = [t for t in times if isinstance(t, str)]
         if failed:
             raise SystemExit(f"a run process failed: {failed[0]}")
+        servers = servers_of(urls, stores, how, names)
         check_runs(stores, names, servers, args.rows_per_run)
     finally:
         for proc in procs:

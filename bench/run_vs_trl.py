@@ -12,7 +12,9 @@ version s - 1, from the store, set-aside groups included). Without dynamic sampl
 batch reward each step trains on; with it, the batch holds only the groups whose rewards differ,
 so its reward is printed too but not compared. Needs the bench extra: pip install -e '.[bench]'.
 
-    python bench/run_vs_trl.py [--tasks reverse|addition-facts --warmup-steps 300 --steps 60]
+    python bench/run_vs_trl.py [--tasks reverse|addition-facts --warmup-steps N --steps N]
+
+Warm-up and RL steps default per task (TASK_DEFAULTS).
 
 `--tasks sparse` measures that sparse signal does not erode what the model knows: the warm-up
 teaches only single-digit addition (the known family), the RL tasks mix it (a quarter) with
@@ -59,6 +61,12 @@ from reservoir.store import Store  # noqa: E402
 from reservoir.trainer.sft import supervised  # noqa: E402
 
 SIDES = ("trl", "sync", "dynamic", "async")
+# per task (warm-up steps, RL steps): a start model whose groups mostly carry signal and RL
+# steps over which the rollout reward climbs (reverse: 0.16 to ~0.35; addition facts: sampled
+# reward ~0.57, 96 % of groups with signal); sparse: the known family's sampled reward ~0.96,
+# so a few of its groups carry signal. A 1,500-step warm-up left reversal flat within noise
+# over 60 steps and addition facts without signal (every group's rewards equal).
+TASK_DEFAULTS = {"reverse": (300, 150), "addition-facts": (150, 60), "sparse": (700, 200)}
 FAMILY_WINDOW = 25  # steps per mean of each task source's rollout reward
 
 
@@ -88,12 +96,15 @@ class Outcome:
 
 
 def addition_facts(repeats: int, *, seed: int = 0, test_fraction: float = 0.1) -> list[dict]:
-    """Every single-digit fact 'a+b' -> a+b as a user's file may hold them: the train facts in
-    systematic order (0+0, 0+1, ..., 9+9), each written `repeats` times in a row, then the
-    held-out facts (a seeded tenth) once each. The warm-up reads the first 30 % of the train
-    rows, so the facts after it are new to the start model."""
+    """Every single-digit fact 'a+b' -> a+b: the train facts, each `repeats` times, in seeded
+    shuffled order, then the held-out facts (a seeded tenth) once each. The warm-up reads the
+    first 30 % of the train rows, which hold nearly every train fact a few times: the start
+    model half knows them (sampled reward ~0.57 after 150 warm-up steps), and RL sharpens it.
+    In systematic order (0+0, 0+1, ...) the warm-up saw only a < 3 and every group of the
+    facts after it was flat: the model answered them wrong every time."""
+    rng = random.Random(seed)
     facts = [(a, b) for a in range(10) for b in range(10)]
-    held_out = set(random.Random(seed).sample(facts, round(len(facts) * test_fraction)))
+    held_out = set(rng.sample(facts, round(len(facts) * test_fraction)))
 
     def row(a: int, b: int, split: str) -> dict:
         return {"prompt": f"{a}+{b}", "answer": str(a + b), "split": split,
@@ -101,6 +112,7 @@ def addition_facts(repeats: int, *, seed: int = 0, test_fraction: float = 0.1) -
 
     train = [row(a, b, "train") for a, b in facts if (a, b) not in held_out
              for _ in range(repeats)]
+    rng.shuffle(train)
     return train + [row(a, b, "test") for a, b in sorted(held_out)]
 
 
@@ -262,7 +274,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", choices=("reverse", "addition-facts", "sparse"),
                         default="reverse")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="RL steps; default per task (TASK_DEFAULTS)")
     parser.add_argument("--levels", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5])
     parser.add_argument("--window", type=int, default=10, help="steps in the trailing mean")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
@@ -274,8 +287,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=10)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--warmup-steps", type=int, default=None,
-                        help="default 1500; 700 for sparse (the known family's sampled reward "
-                        "about 0.96, so some of its groups carry signal)")
+                        help="supervised warm-up steps; default per task (TASK_DEFAULTS)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="seeds of the RL runs, each side once per seed (the start model "
                         "is the same for every seed); the means follow")
@@ -283,8 +295,9 @@ def main() -> None:
                         help="run.placement of Reservoir's sides")
     parser.add_argument("--db-url", default=None, help="default: the embedded server")
     args = parser.parse_args()
-    if args.warmup_steps is None:
-        args.warmup_steps = 700 if args.tasks == "sparse" else 1500
+    warmup_steps, steps = TASK_DEFAULTS[args.tasks]
+    args.warmup_steps = warmup_steps if args.warmup_steps is None else args.warmup_steps
+    args.steps = steps if args.steps is None else args.steps
     sides = ["trl"] + [side for side in SIDES[1:] if side in args.sides]  # TRL: the baseline
     console = Console()
     rows = task_set(args)
@@ -360,6 +373,22 @@ def means(console: Console, outcomes: dict[str, list[tuple[Outcome, Outcome]]], 
              f"{f'; never in {late}' if late else ''}) | held-out accuracy "
              f"{np.mean([o.accuracy for o, _ in pairs]):.3f} "
              f"(per seed {' '.join(f'{o.accuracy:.2f}' for o, _ in pairs)})")
+        if args.tasks == "sparse" and pairs[0][0] is not pairs[0][1]:
+            _say(console, f"{name:24} {known_family_gaps(pairs)}")
+
+
+def known_family_gaps(pairs: list[tuple[Outcome, Outcome]], limit: float = 0.05) -> str:
+    """The known family's rollout reward against TRL's, window by window (FAMILY_WINDOW steps)
+    over every seed: the worst difference and how many windows fall more than `limit` below."""
+    gaps = []
+    for outcome, trl in pairs:
+        mine, theirs = outcome.families.get("known", []), trl.families.get("known", [])
+        for i in range(0, min(len(mine), len(theirs)), FAMILY_WINDOW):
+            gaps.append(np.nanmean(mine[i:i + FAMILY_WINDOW]) -
+                        np.nanmean(theirs[i:i + FAMILY_WINDOW]))
+    below = sum(gap < -limit for gap in gaps)
+    return (f"known family against TRL per {FAMILY_WINDOW} steps: worst {min(gaps):+.2f}, "
+            f"mean {np.mean(gaps):+.2f}; {below} of {len(gaps)} windows more than {limit} below")
 
 
 def _cells(values) -> str:

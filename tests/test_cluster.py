@@ -20,6 +20,11 @@ from tests.test_recovery import finish, query, start, wait_for, write_config
 from tests.test_run import ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
+# The GCS takes a node for dead after 1 s without an answer to its health checks (Ray's
+# default: 5 checks 3 s apart, after 5 s), so a lost node is noticed in seconds.
+QUICK_NODE_DEATH = {"_system_config": {"health_check_initial_delay_ms": 0,
+                                       "health_check_period_ms": 500,
+                                       "health_check_failure_threshold": 2}}
 
 
 @pytest.fixture
@@ -29,7 +34,7 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     ray_cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"trainer_node": 1}})
+        "num_cpus": 1, "resources": {"trainer_node": 1}, **QUICK_NODE_DEATH})
     nodes = [ray_cluster.head_node] + [ray_cluster.add_node(
         num_cpus=1, resources={"explorer_node": 1}) for _ in range(3)]
     ray_cluster.wait_for_nodes()
@@ -64,6 +69,15 @@ def nodes_of(output: str) -> dict[str, str]:
     return found
 
 
+def node_of_actor(actor_class: str, nodes: list) -> int:
+    """Which of `nodes` runs the Ray actor of `actor_class` (its worker's title, `ray::Class.method`,
+    as Ray sets it): known at once, where a worker's `on Ray node` line reaches the driver's log
+    when Ray's log monitor forwards it, seconds later under load."""
+    pid = next(process.pid for process in psutil.process_iter(["cmdline"])
+               if f"ray::{actor_class}" in " ".join(process.info["cmdline"] or ()))
+    return node_of_process(pid, nodes)
+
+
 def node_of_process(pid: int, nodes: list) -> int:
     """Which of `nodes` a worker process runs on: its parent is that node's raylet."""
     parent = psutil.Process(pid).ppid()
@@ -94,14 +108,19 @@ def test_roles_run_where_their_resources_say_and_losing_an_explorer_node_loses_n
     run = start("run", str(config), cwd=tmp_path)
 
     def an_explorer_node_with_claims():
-        claims = query(db_url, "SELECT DISTINCT claimed_by FROM tasks "
-                               "WHERE claim_token IS NOT NULL AND claimed_until > now()")
-        trained = query(db_url, "SELECT count(*) FROM train_steps WHERE step > 0")[0][0]
-        if not claims or trained < 2:
-            return None
-        return node_of_process(int(claims[0][0].rsplit(":", 1)[1]), nodes)
+        """Claims live while an explorer generates: one statement a poll, to catch them."""
+        if run.poll() is not None:
+            raise AssertionError("the run ended before an explorer held claims after step 2")
+        claims = query(db_url, "SELECT claimed_by FROM tasks WHERE claim_token IS NOT NULL "
+                               "AND claimed_until > now() AND (SELECT count(*) FROM train_steps "
+                               "WHERE step > 0) >= 2 LIMIT 1")
+        return claims and node_of_process(int(claims[0][0].rsplit(":", 1)[1]), nodes)
 
-    lost = wait_for(an_explorer_node_with_claims, timeout=240, every=0.05)
+    try:
+        lost = wait_for(an_explorer_node_with_claims, timeout=240, every=0.05)
+    except AssertionError as timed_out:
+        run.kill()
+        raise AssertionError(f"{timed_out}; the run printed:\n{run.communicate()[0]}") from None
     ray_cluster.remove_node(nodes[lost], allow_graceful=False)
     output = finish(run, timeout=600)
 
@@ -128,7 +147,8 @@ def test_losing_the_trainer_s_node_stops_the_run_and_resume_elsewhere_ends_as_un
 
     from reservoir.models import load_model
 
-    ray_cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    ray_cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
+                                                                **QUICK_NODE_DEATH})
     try:
         nodes = [ray_cluster.head_node,
                  ray_cluster.add_node(num_cpus=1, resources={"trainer_node": 1}),
@@ -137,8 +157,9 @@ def test_losing_the_trainer_s_node_stops_the_run_and_resume_elsewhere_ends_as_un
         ray_cluster.wait_for_nodes()
         raw = cluster_config(tmp_path, db_url, ray_cluster.address, "lose-the-trainer")
         raw["explorer"]["workers"] = 1
-        raw["trainer"].update(checkpoint_interval=4, steps=12)
-        raw["stages"] = [{"name": "sft", "algorithm": "sft", "steps": 12, "lr": 1e-3,
+        # sft steps take ~0.1 s here: 60 leave the node's removal seconds to land mid-run
+        raw["trainer"].update(checkpoint_interval=20, steps=60)
+        raw["stages"] = [{"name": "sft", "algorithm": "sft", "steps": 60, "lr": 1e-3,
                           "batch": 8, "data": "tasks"}]
         config = write_config(tmp_path / "run.yaml", raw)
         log = tmp_path / "run.log"
@@ -147,17 +168,17 @@ def test_losing_the_trainer_s_node_stops_the_run_and_resume_elsewhere_ends_as_un
                                env={**os.environ, "COLUMNS": "200"})
         wait_for(lambda: query(db_url, "SELECT 1 FROM train_steps WHERE step >= 6"),
                  timeout=240, every=0.05)
-        trainer_on = nodes_of(log.read_text())["trainer"]
-        trainer_node = next(i for i in (1, 2) if nodes[i].node_id == trainer_on)
+        trainer_node = node_of_actor("TrainerWorker", nodes)
+        assert trainer_node in (1, 2)
         ray_cluster.remove_node(nodes[trainer_node], allow_graceful=False)
         run.wait(timeout=300)
         output = log.read_text()
         assert run.returncode == 1, output
         assert "the trainer's Ray actor is gone" in output and "--resume" in output, output
         assert ledger(db_url)["status"] == "failed"
-        assert query(db_url, "SELECT max(step) FROM train_steps")[0][0] < 12
-        if trainer_node == 2:  # the node left must offer trainer_node for the resume
-            ray_cluster.add_node(num_cpus=1, resources={"trainer_node": 1})
+        assert query(db_url, "SELECT max(step) FROM train_steps")[0][0] < 60
+        if trainer_node == 2:  # a node like the lost one takes its place for the resume
+            ray_cluster.add_node(num_cpus=1, resources={"trainer_node": 1, "explorer_node": 1})
             ray_cluster.wait_for_nodes()
         finish(start("run", str(config), "--resume", cwd=tmp_path), timeout=300)
         assert ledger(db_url)["status"] == "finished"
@@ -168,7 +189,7 @@ def test_losing_the_trainer_s_node_stops_the_run_and_resume_elsewhere_ends_as_un
     raw.update(store={"url": straight_url}, run={"name": "lose-the-trainer"})
     raw["trainer"]["checkpoint_dir"] = str(tmp_path / "straight")
     finish(start("train", str(write_config(tmp_path / "straight.yaml", raw)), cwd=tmp_path))
-    weights = [load_model(Path(folder) / "lose-the-trainer" / "step-000012")[0].state_dict()
+    weights = [load_model(Path(folder) / "lose-the-trainer" / "step-000060")[0].state_dict()
                for folder in (tmp_path / "checkpoints", tmp_path / "straight")]
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-5, rtol=0, msg=name)

@@ -19,9 +19,15 @@ STAND_IN = """#!/bin/bash
 line="$(basename "$0")"
 for arg in "$@"; do line+=" $arg"; done
 echo "$line RAY_ADDRESS=${RAY_ADDRESS:-}" >> "$CALLS"  # one write: background calls race
+# as on a cluster: `ray status` answers once the head has started, and by the end of the
+# script's `sleep 10` the workers have (their sruns run in the background)
+started() { for _ in $(seq 200); do [ "$(grep -c "$1" "$CALLS")" -ge "$2" ] && return; \
+            /bin/sleep 0.05; done; }
 case "$(basename "$0") $*" in
   "scontrol show hostnames"*) printf '%s\\n' gpu-node-1 gpu-node-2 gpu-node-3 ;;
   srun*hostname*) echo "10.1.2.3 fe80::1" ;;
+  "ray status"*) started "ray start --head" 1 ;;
+  "sleep 10") started "ray start --block --address" 2 ;;
   "reservoir run"*) exit "${RESERVOIR_EXIT:-0}" ;;
 esac
 """

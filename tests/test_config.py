@@ -44,7 +44,7 @@ def test_unknown_key_names_file_path_and_suggestion(write):
 
 def test_unknown_key_without_close_match_lists_the_valid_keys(write):
     message = config_error(write("store:\n  zzz: 1\n"))
-    assert "store.zzz" in message and "valid keys: url, data_dir" in message
+    assert "store.zzz" in message and "valid keys: url, urls, data_dir" in message
 
 
 def test_unknown_section_suggests_one(write):

@@ -24,7 +24,7 @@ CORE_TABLES = {"runs", "tasks", "experience_data", "experience_state", "policy_v
 VIEWS = {"experiences", "experience_tokens", "run_steps", "lineage", "runs", "pipeline_runs",
          "operator_events", "validations", "reviews", "tasks", "policy_versions", "schedules",
          "preferences", "episodes", "episode_calls", "review_actions", "run_gauges",
-         "pipeline_gauges", "schedule_gauges", "explorer_rounds"}
+         "pipeline_gauges", "schedule_gauges", "explorer_rounds", "run_servers"}
 
 
 @pytest.fixture

@@ -126,13 +126,35 @@ def test_rows_without_signal_skip_the_model_and_change_nothing(tiny, packed):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0, msg=name)
 
 
-def test_a_batch_without_signal_still_steps_the_optimizer_on_zero_gradients(tiny):
+def test_a_batch_without_signal_changes_neither_weights_nor_optimizer_state(tiny):
+    """`flat_updates: skip` (the default): AdamW's moments from an earlier update would keep
+    moving the weights on zero gradients; a batch whose groups are all flat moves nothing."""
+    batch = mixed_batch(tiny.config.vocab_size)
+    model = copy.deepcopy(tiny)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.5)
+    train_step(model, optimizer, batch, PRESETS["grpo"], micro_batch=5)  # moments set
+    before = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    batch.rewards[:] = 1.0
+    metrics = train_step(model, optimizer, batch, PRESETS["grpo"], micro_batch=5)
+    assert {name: metrics[name] for name in ("loss", "rows_without_signal", "skipped_update",
+                                             "grad_norm")} == {
+        "loss": 0.0, "rows_without_signal": len(batch), "skipped_update": 1.0, "grad_norm": 0.0}
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[0][name]), name
+    for key, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, before[1]["state"][key][name]), (key, name)
+
+
+def test_flat_updates_step_takes_adamw_s_step_on_zero_gradients(tiny):
     batch = mixed_batch(tiny.config.vocab_size)
     batch.rewards[:] = 1.0
     model = copy.deepcopy(tiny)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.5)
-    metrics = train_step(model, optimizer, batch, PRESETS["grpo"], micro_batch=5)
+    metrics = train_step(model, optimizer, batch, PRESETS["grpo"].replace(flat_updates="step"),
+                         micro_batch=5)
     assert metrics["rows_without_signal"] == len(batch) and metrics["loss"] == 0.0
+    assert "skipped_update" not in metrics
     decayed = [name for (name, p), (_, q) in zip(model.named_parameters(), tiny.named_parameters())
                if not torch.equal(p, q)]
     assert decayed  # weight decay moved them, as a full pass with zero gradients would

@@ -28,6 +28,7 @@ from reservoir.store import Experience, Store
 from reservoir.store.engine import sync_engine
 from rich.console import Console
 from sqlalchemy import text
+from sqlalchemy.pool import NullPool
 
 from tests.commands import execute
 from tests.test_run import ledger
@@ -57,8 +58,14 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
 
 
 def query(db_url: str, sql: str, **params):
-    with sync_engine(db_url).connect() as conn:
-        return conn.execute(text(sql), params).all()
+    """One statement on a connection of its own, closed at once (NullPool): tests poll with it
+    while runs work, and a pooled engine a call left open connections behind on a busy server."""
+    engine = sync_engine(db_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text(sql), params).all()
+    finally:
+        engine.dispose()
 
 
 def wait_for(condition, timeout: float = 120, every: float = 0.05):

@@ -258,3 +258,23 @@ def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, db_url):
     run_name = raw["run"]["name"]
     assert same(tensorboard_series(tmp_path / "tb" / run_name, "loss"), expected)
     assert same(mlflow_series(uri, "loss"), expected)  # one MLflow run, continued
+
+
+@pytest.mark.process
+def test_trackers_that_cannot_reach_the_store_at_their_start_are_one_warning(tmp_path):
+    """The trackers' process opens its own store; unreachable at its start it says one
+    warning line back to the trainer (no traceback) and exits: the run goes on."""
+    import subprocess
+    import sys
+
+    gone = "postgresql://nobody:secret@127.0.0.1:1/nothing"
+    orders = {"config": {"run": {"name": "r"}, "store": {"url": gone}, "sampler": {},
+                         "tracking": {"tensorboard": {"dir": str(tmp_path / "tb")}}},
+              "parent": os.getpid(), "report": None}
+    done = subprocess.run(
+        [sys.executable, "-c", "from reservoir.tracking.follow import follower; follower()"],
+        input=json.dumps(orders) + "\n", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(lines) == 1 and "the trackers stopped (the run goes on)" in json.dumps(lines[0])
+    assert "secret" not in done.stdout

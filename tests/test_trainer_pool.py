@@ -47,8 +47,12 @@ def test_two_ranks_train_the_weights_one_worker_trains(tmp_path, store, db_url):
     config = pool_config(tmp_path, db_url, build_tiny_model(tmp_path / "tiny", seed=11))
     ensure_run(store, config)
     store.write_groups(offline_groups("pool", 8))
+    flat = offline_groups("pool", 2)  # the last step's groups: no signal, the update skipped
+    for row in (row for group in flat for row in group):
+        row.reward, row.reward_components = 1.0, {"accuracy": 1.0}
+    store.write_groups(flat)
     batches = [sorted(store.lease("pool", groups=2).rows, key=lambda row: row.id)
-               for _ in range(4)]
+               for _ in range(5)]
     learner = Learner(config)
     learner.begin(learner.plan[0])
     single, pad = learner.model, learner.tokenizer.pad_token_id
@@ -78,6 +82,8 @@ def test_two_ranks_train_the_weights_one_worker_trains(tmp_path, store, db_url):
     for one, two in zip(alone, pooled):
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
         assert two["train_tokens"] == one["train_tokens"]
+    assert [m.get("skipped_update") for m in alone] == [None, None, None, 1.0]
+    assert [m.get("skipped_update") for m in pooled] == [None, None, None, 1.0]
 
 
 def leased_in_a_stage(store, config) -> tuple[list, Learner]:

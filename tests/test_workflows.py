@@ -18,7 +18,7 @@ from reservoir.explorer.batcher import Batcher
 from reservoir.explorer.engine import Request, TransformersEngine
 from reservoir.explorer.guess import feedback
 from reservoir.explorer.policy import Policy, Sampling
-from reservoir.explorer.rewards import exact_match
+from reservoir.explorer.rewards import REWARDS, exact_match
 from reservoir.explorer.tools import calculate
 from reservoir.explorer.workflow import Task, explore, make_workflow
 from reservoir.models import build_tiny_model, load_model
@@ -292,3 +292,72 @@ def test_agent_code_runs_on_the_policy_s_openai_style_client(engine, store):
     assert [row.metadata["choice"] for row in group] == [0, 1, 0]
     assert all(row.action_mask.all() for row in group)
     assert store.write_groups([group]).rows == 3
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_single_turn_runs_a_round_in_one_call_with_the_samples_of_a_thread_per_task(
+        engine, inline):
+    """single_turn's round (one engine call on the exploring thread, no thread per task) gives
+    each task the samples, rewards and order a thread per task gives, under the same seed, on
+    an inline batcher and on one with a thread of its own."""
+    tasks = [Task(i, f"Reverse: {word}", word[::-1]) for i, word in
+             enumerate(["ab", "cde", "fg", "hij", "k", "lmno", "pq", "rs", "tuv"])]
+    by_thread = make_workflow("single_turn")
+    by_thread = type(by_thread)(by_thread.name, by_thread.function)  # the same, without round
+    assert make_workflow("single_turn").round is not None and by_thread.round is None
+    found = []
+    for workflow in (make_workflow("single_turn"), by_thread):
+        torch.manual_seed(3)
+        with Batcher(engine, inline=inline) as batcher:
+            groups = explore(workflow, tasks, batcher, Sampling(4, 1.0, 6), run="r",
+                             version=2, reward="exact_match")
+        found.append([[(row.task_id, row.response_ids.tolist(), row.reward) for row in group]
+                      for group in groups])
+    assert found[0] == found[1] and len(found[0]) == len(tasks)
+    assert [group[0][0] for group in found[0]] == list(range(len(tasks)))
+
+
+def test_a_round_that_breaks_its_contract_is_named(engine):
+    def round_of_one(tasks, policies):
+        return [[]]
+
+    broken = make_workflow("single_turn")
+    broken = type(broken)("mine", broken.function, round_of_one)
+    with Batcher(engine, inline=True) as batcher:
+        with pytest.raises(WorkflowError, match="workflow 'mine': its round returned 1 groups "
+                                                "for 2 tasks"):
+            explore(broken, [Task(1, "p"), Task(2, "q")], batcher, Sampling(1, 1.0, 2),
+                    run="r", version=0, reward="exact_match")
+
+
+SCORED = threading.Event()
+
+
+@REWARDS.register("test_marks_it_scored")
+def marks_it_scored(response: str, answer: str) -> dict:
+    SCORED.set()
+    return {"accuracy": 0.0}
+
+
+def test_single_turn_scores_a_task_while_the_engine_generates_the_next(model_path):
+    """A round's first tasks are scored on a thread of their own while the engine is still
+    generating: the engine's last chunk waits (up to 60 s) for a task to have been scored, which
+    scoring after the whole round could never give it."""
+    class Watching(TransformersEngine):
+        waited_for_scoring = None
+
+        def _sample_chunk(self, prompts, temperature, max_tokens):
+            if self.chunks_left == 1:
+                Watching.waited_for_scoring = SCORED.wait(60)
+            self.chunks_left -= 1
+            return super()._sample_chunk(prompts, temperature, max_tokens)
+
+    engine = Watching(model_path, batch_size=4)  # 4 rows: one task of n 4 a chunk
+    engine.chunks_left = 3
+    SCORED.clear()
+    tasks = [Task(i, f"Reverse: {word}", word[::-1], {"reward": "test_marks_it_scored"})
+             for i, word in enumerate(["ab", "cd", "ef"])]
+    with Batcher(engine, inline=True) as batcher:
+        groups = explore(make_workflow("single_turn"), tasks, batcher, Sampling(4, 1.0, 4),
+                         run="r", version=0, reward="exact_match")
+    assert Watching.waited_for_scoring is True and [len(group) for group in groups] == [4] * 3

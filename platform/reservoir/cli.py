@@ -63,6 +63,10 @@ def sql(statement: str = typer.Argument(..., help="One SQL statement; :name bind
         max_rows: Optional[int] = typer.Option(None, "--max-rows", min=0, help="Rows shown "
                                                f"(default {MAX_ROWS:,} for table and json; "
                                                "csv streams every row unless given)."),
+        run: Optional[str] = typer.Option(None, "--run", help="With store.urls: on this "
+                                          "run's server."),
+        every: bool = typer.Option(False, "--all", help="With store.urls: on every server, "
+                                   "each row labelled by its server (a read)."),
         wide: bool = WideOption, config: Optional[Path] = ConfigOption) -> None:
     """Run one SQL statement against the store and print the result."""
     from reservoir.cli_output import FORMATS, CsvSink, write_rows
@@ -72,7 +76,12 @@ def sql(statement: str = typer.Argument(..., help="One SQL statement; :name bind
         raise ReservoirError(f"--format {fmt!r}: choose table, csv or json")
     if timeout is not None and not 0 < timeout <= 86_400:
         raise ReservoirError(f"--timeout {timeout}: give seconds in (0, 86400]")
-    where = target(config)
+    if every and (write or run):
+        raise ReservoirError("--all reads every server: --write and --run work on one")
+    if every:
+        _sql_everywhere(statement, _params(param), timeout, max_rows, fmt, wide, config)
+        return
+    where = target(config, run)
     streamed = fmt == "csv" and max_rows is None
     result = run_sql(where.url, statement, params=_params(param), write=write,
                      reader_url=where.reader_url, timeout_s=timeout or where.timeout_s,
@@ -83,9 +92,43 @@ def sql(statement: str = typer.Argument(..., help="One SQL statement; :name bind
     elif not streamed:
         write_rows(console, result.columns, result.rows, fmt=fmt, wide=wide)
     if result.more and not streamed:
-        shown = MAX_ROWS if max_rows is None else max_rows
-        sys.stderr.write(f"{result.more:,} more rows not shown (--max-rows {shown}); "
-                         "--format csv streams them all\n")
+        _say_more(result.more, max_rows, "")
+
+
+def _sql_everywhere(statement: str, params: dict[str, str], timeout: Optional[float],
+                    max_rows: Optional[int], fmt: str, wide: bool,
+                    config: Optional[Path]) -> None:
+    """`sql --all`: the read on each server in turn, its rows labelled by the server (rows of
+    a server that cannot be reached are missing, said in one line, and the exit code is 1)."""
+    from reservoir.cli_common import every_target, over_servers
+    from reservoir.cli_output import write_rows
+    from reservoir.store import run_sql
+
+    limit, targets = MAX_ROWS if max_rows is None else max_rows, every_target(config)
+    done, missing = over_servers(targets, lambda where: run_sql(
+        where.url, statement, params=params, reader_url=where.reader_url,
+        timeout_s=timeout or where.timeout_s, max_rows=limit))
+    columns, rows, more = None, [], 0
+    for server, result in done:
+        if columns is not None and list(result.columns) != columns:
+            raise ReservoirError(f"--all: server {server} answered with other columns "
+                                 f"({', '.join(result.columns)}): are its schemas the same "
+                                 "revision? (`reservoir db status`)")
+        columns, more = list(result.columns), more + result.more
+        rows += [[server, *row] if server else list(row) for row in result.rows]
+    if columns is not None:
+        labelled = targets[0][0] is not None
+        write_rows(console, (["server"] if labelled else []) + columns, rows, fmt=fmt, wide=wide)
+    if more:
+        _say_more(more, max_rows, " a server" if targets[0][0] else "")
+    if missing:
+        fail(f"--all: {', '.join(missing)} could not be reached: their rows are missing")
+
+
+def _say_more(more: int, max_rows: Optional[int], each: str) -> None:
+    shown = MAX_ROWS if max_rows is None else max_rows
+    sys.stderr.write(f"{more:,} more rows not shown (--max-rows {shown}{each}); "
+                     "--format csv streams them all\n")
 
 
 def _params(items: list[str]) -> dict[str, str]:
@@ -106,7 +149,7 @@ def inspect_run(name: str, steps: int = typer.Option(10, min=1, max=10_000,
     from reservoir.cli_output import print_record, print_table
     from reservoir.store import run_summary
 
-    where = target(config)
+    where = target(config, name)
     summary, recent = run_summary(where.url, name, last_steps=steps,
                                   reader_url=where.reader_url, timeout_s=where.timeout_s)
     print_record(console, dict(zip(summary.columns, summary.rows[0])), title=f"run {name}",
@@ -116,12 +159,15 @@ def inspect_run(name: str, steps: int = typer.Option(10, min=1, max=10_000,
 
 @inspect_app.command("experience")
 def inspect_experience(experience_id: int, wide: bool = WideOption,
+                       run: Optional[str] = typer.Option(
+                           None, "--run", help="With store.urls: the experience's run (ids "
+                           "are a server's own)."),
                        config: Optional[Path] = ConfigOption) -> None:
     """One experience and its lineage: task -> experience -> train step -> policy version."""
     from reservoir.cli_output import print_record, print_table
     from reservoir.store import experience_detail
 
-    where = target(config)
+    where = target(config, run)
     row, lineage = experience_detail(where.url, experience_id, reader_url=where.reader_url,
                                      timeout_s=where.timeout_s)
     print_record(console, dict(zip(row.columns, row.rows[0])),
@@ -160,7 +206,7 @@ def model_export(
     from reservoir.plan.weights import find_checkpoint
 
     run, step = checked_checkpoint(source, "RUN@STEP")
-    with _open(config) as store:
+    with _open(config, run=run) as store:
         stored = store.runs.config_of(run)
     stored = parse_config({key: value for key, value in stored.items() if key != "store"},
                           source=f"run {run!r}'s stored config")
@@ -292,7 +338,7 @@ def report_command(run: str = typer.Argument(..., help="Run name."),
     """PNG plots (reward, accuracy, length, staleness) and an HTML page for a run."""
     from reservoir.report import write_report
 
-    with _open(config) as store:
+    with _open(config, run=run) as store:
         page = write_report(store, run, out)
     console.print(f"report for run {run!r}: {page}")
 
@@ -340,7 +386,7 @@ def tasks_load(file: Path = typer.Argument(..., help="JSONL, Parquet or CSV with
                                           shape.system_prompt, shape.prompt_template))
     if not in_order:
         random.Random(seed).shuffle(rows)
-    with _open(config, migrate=True) as store:
+    with _open(config, migrate=True, run=run, create=True) as store:
         run_id = store.create_run(run, exist_ok=True)
         ids = store.tasks.add_tasks(run_id, rows)
     splits = {split: sum(row["split"] == split for row in rows) for split in {r["split"] for r in rows}}
@@ -382,7 +428,7 @@ def demo_store(run: str = typer.Option("quickstart", help="Run name (replaced if
                              f"{steps * groups_per_step} groups, --groups is {groups}")
     from reservoir.store import DEMO_RUNS, DEMO_STEPS, DEMO_TRAINED, run_sql
 
-    with _open(config, migrate=True) as store:
+    with _open(config, migrate=True, run=run, create=True) as store:
         run_demo(store, run=run, n_groups=groups, group_size=group_size, steps=steps,
                  groups_per_step=groups_per_step, seed=seed, console=console,
                  raw_groups=raw_groups)

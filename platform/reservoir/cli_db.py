@@ -16,6 +16,13 @@ db_app = typer.Typer(help="The experience store's database: schema, embedded ser
                      no_args_is_help=True)
 
 
+def _stores(path: Optional[Path]) -> list:
+    """The store section, or one for each server of store.urls (the first first)."""
+    from reservoir.servers import every_server
+
+    return [config.store for _, config in every_server(_config(path))]
+
+
 @db_app.command("upgrade")
 def db_upgrade(config: Optional[Path] = ConfigOption,
                revision: str = typer.Argument("head", help="Target revision.")) -> None:
@@ -23,10 +30,11 @@ def db_upgrade(config: Optional[Path] = ConfigOption,
     from reservoir.plan.urls import redact
     from reservoir.store import upgrade_schema
 
-    done = upgrade_schema(_config(config).store, revision)
-    change = ("already at" if done.before == done.after
-              else f"upgraded from {done.before or 'empty'} to")
-    console.print(f"{redact(done.url)}: {change} revision {done.after}", highlight=False)
+    for store in _stores(config):
+        done = upgrade_schema(store, revision)
+        change = ("already at" if done.before == done.after
+                  else f"upgraded from {done.before or 'empty'} to")
+        console.print(f"{redact(done.url)}: {change} revision {done.after}", highlight=False)
 
 
 @db_app.command("downgrade")
@@ -37,8 +45,10 @@ def db_downgrade(revision: str = typer.Argument(..., help="Target revision, e.g.
     from reservoir.plan.urls import redact
     from reservoir.store import downgrade_schema
 
-    done = downgrade_schema(_config(config).store, revision)
-    console.print(f"{redact(done.url)}: now at revision {done.after or 'base'}", highlight=False)
+    for store in _stores(config):
+        done = downgrade_schema(store, revision)
+        console.print(f"{redact(done.url)}: now at revision {done.after or 'base'}",
+                      highlight=False)
 
 
 @db_app.command("status")
@@ -47,25 +57,26 @@ def db_status(config: Optional[Path] = ConfigOption) -> None:
     from reservoir.plan.urls import redact
     from reservoir.store import schema_status
 
-    store = _config(config).store
-    found = schema_status(store)
-    table = Table(show_header=False)
-    table.add_row("url", redact(found.url))
-    embedded = store.resolved_url() is None
-    table.add_row("server", f"embedded ({store.data_dir})" if embedded else "configured URL")
-    table.add_row("revision", f"{found.after or 'empty'} (code expects {found.head})")
-    table.add_row("schema", "up to date" if found.after == found.head
-                  else "run `reservoir db upgrade`")
-    console.print(table)
+    for store in _stores(config):
+        found = schema_status(store)
+        table = Table(show_header=False)
+        table.add_row("url", redact(found.url))
+        embedded = store.resolved_url() is None
+        table.add_row("server", f"embedded ({store.data_dir})" if embedded else "configured URL")
+        table.add_row("revision", f"{found.after or 'empty'} (code expects {found.head})")
+        table.add_row("schema", "up to date" if found.after == found.head
+                      else "run `reservoir db upgrade`")
+        console.print(table)
 
 
 @db_app.command("url")
 def db_url(config: Optional[Path] = ConfigOption) -> None:
     """Print the store's URL, its password as *** (starting the embedded server if needed)."""
-    from reservoir.cli_common import target
+    from reservoir.cli_common import every_target
     from reservoir.plan.urls import redact
 
-    print(redact(target(config).url))
+    for _, where in every_target(config):  # store.urls: each server's, the first's first
+        print(redact(where.url))
 
 
 @db_app.command("start")
@@ -115,5 +126,6 @@ def db_password(
     if not password:
         raise ReservoirError(f"--from-env {from_env}: the variable is unset or empty; put the "
                              "password there (e.g. read -s)")
-    set_login_password(_config(config).store, name, password)
+    for store in _stores(config):
+        set_login_password(store, name, password)
     console.print(f"{name}'s password is set (its users set {default_env})", highlight=False)

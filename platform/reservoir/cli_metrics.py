@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from reservoir.cli_common import ConfigOption, console, target
+from reservoir.cli_common import ConfigOption, console, every_target
 from reservoir.errors import ConfigError
 
 metrics_app = typer.Typer(help="Prometheus metrics of the store.", no_args_is_help=True)
@@ -25,6 +25,10 @@ def serve(host: str = typer.Option("127.0.0.1", help="Address to listen on (anot
           runs: int = typer.Option(50, min=1, max=10_000, help="Runs read per scrape: the "
                                    "running ones and those changed in the last hour, newest "
                                    "first."),
+          server: Optional[int] = typer.Option(
+              None, "--server", min=0, max=1023, help="With store.urls: the server to "
+              "export, by its place in the list (0 is the first); one exporter a server, as "
+              "Prometheus scrapes one target a database."),
           config: Optional[Path] = ConfigOption) -> None:
     """Serve GET /metrics: per run rows waiting, ages, flow counters, steps, versions, lease
     and commit latency; per pipeline and schedule their last run and success; the database's
@@ -42,10 +46,23 @@ def serve(host: str = typer.Option("127.0.0.1", help="Address to listen on (anot
         raise ConfigError(f"--host {host} is reachable from other machines; set a bearer "
                           f"token in the environment variable {token_env} first")
     check_free(host, port, "--port")
-    where = target(config)
+    where = _server(config, server)
     collector = StoreCollector(where.url, reader_url=where.reader_url, timeout_s=timeout,
                                runs=runs)
     console.print(f"metrics of the store at {url_of(host, port)}/metrics"
                   f"{' (bearer token required)' if token else ''}; Ctrl-C stops",
                   markup=False, highlight=False, soft_wrap=True)
     run_app(create_app(collector, host=host, port=port, token=token), host, port)
+
+
+def _server(config: Optional[Path], index: Optional[int]):
+    """The store's target, or with store.urls the one --server names."""
+    targets = every_target(config)
+    if targets[0][0] is None:
+        if index is not None:
+            raise ConfigError("--server: the config has no store.urls: leave it out")
+        return targets[0][1]
+    if index is None or index >= len(targets):
+        raise ConfigError(f"--server: store.urls names {len(targets)} servers: give one of "
+                          f"0..{len(targets) - 1} (one exporter a server)")
+    return targets[index][1]

@@ -9,7 +9,8 @@ from typing import Iterator, Optional
 
 import typer
 
-from reservoir.cli_common import ConfigOption, WideOption, _config, _open, console, fail
+from reservoir.cli_common import (ConfigOption, WideOption, _config, _open, check_complete,
+                                  console, fail, gathered)
 
 runs_app = typer.Typer(help="Runs: list them, archive and restore their experiences, retention.",
                        no_args_is_help=True)
@@ -41,10 +42,10 @@ def runs_list(wide: bool = WideOption, config: Optional[Path] = ConfigOption) ->
     """Every run: status, experiences in the store, last change."""
     from reservoir.cli_output import print_table
 
-    with _open(config) as store:
-        found = store.runs.listing()
-    columns = ["run", "status", "experiences", "updated_at"]
-    print_table(console, columns, [[row[c] for c in columns] for row in found], wide=wide)
+    found = gathered(config, lambda store: store.runs.listing())
+    columns = found.columns(["run", "status", "experiences", "updated_at"])
+    print_table(console, columns, [[row[c] for c in columns] for row in found.rows], wide=wide)
+    check_complete(found)
 
 
 @runs_app.command("track")
@@ -73,7 +74,7 @@ def runs_track(run: str = typer.Argument(..., help="Run name."),
         tracking = TrackingConfig.model_validate({to: settings[to]})
     except ValidationError as exc:
         fail(describe_errors(exc, "runs track", TrackingConfig))
-    with _open(config) as store:
+    with _open(config, run=run) as store:
         logged = replay(store, run, configured(tracking), report=write_report)
     console.print(f"run {run!r}: {logged} steps logged to {to} ({where})", highlight=False,
                   markup=False)
@@ -87,7 +88,7 @@ def runs_archive(run: str = typer.Argument(..., help="Run name."),
     """Move a run's experiences and the rows that hang off them into Parquet files."""
     from reservoir.store import archive_run
 
-    with _open(config) as store, _progress() as show:
+    with _open(config, run=run) as store, _progress() as show:
         manifest = archive_run(store, run, out, progress=show)
     console.print(f"archived run {run!r} to {out}: {_counts(manifest)}; those rows left the "
                   "store", highlight=False, markup=False)
@@ -97,9 +98,10 @@ def runs_archive(run: str = typer.Argument(..., help="Run name."),
 def runs_restore(folder: Path = typer.Argument(..., help="An archive folder."),
                  config: Optional[Path] = ConfigOption) -> None:
     """Put an archived run's rows back into the store, with their ids (all or nothing)."""
-    from reservoir.store import restore_run
+    from reservoir.store import archived_run, restore_run
 
-    with _open(config) as store, _progress() as show:
+    run = archived_run(folder)  # with store.urls, restored on its run's server
+    with _open(config, run=run, create=True) as store, _progress() as show:
         manifest = restore_run(store, folder, progress=show)
     console.print(f"restored run {manifest.run!r} from {folder}: {_counts(manifest)}",
                   highlight=False, markup=False)
@@ -116,15 +118,27 @@ def runs_retention(config: Optional[Path] = typer.Argument(
         console.print("store.retention sets neither archive_after_days nor retire_after_days: "
                       "nothing to do", highlight=False, markup=False)
         return
-    with _open(config) as store, _progress() as show:
-        summary = apply_retention(store, retention, progress=show)
+    with _progress() as show:
+        summaries = gathered(config, lambda store: [
+            {"summary": apply_retention(store, retention, progress=show)}])
+    failed = []
+    for row in summaries.rows:
+        failed += _said_retention(row["summary"], retention, row.get("server"))
+    for line in failed[:-1]:
+        console.print(f"error: {line}", style="red", highlight=False, markup=False)
+    if failed:
+        fail(failed[-1])
+    check_complete(summaries)
+
+
+def _said_retention(summary, retention, server: str | None) -> list[str]:
+    """What retention did on the store (or on one of store.urls' servers); what failed."""
+    if server is not None:
+        console.print(f"server {server}:", highlight=False, markup=False)
     if retention.retire_after_days is not None:
         console.print(f"retired {summary.retired} ready or raw rows of ended runs",
                       highlight=False, markup=False)
     for manifest in summary.archived:
         console.print(f"archived run {manifest.run!r} to {manifest.directory}: "
                       f"{_counts(manifest)}", highlight=False, markup=False)
-    if summary.failed:
-        for line in summary.failed[:-1]:
-            console.print(f"error: {line}", style="red", highlight=False, markup=False)
-        fail(summary.failed[-1])
+    return [f"server {server}: {line}" if server else line for line in summary.failed]

@@ -22,7 +22,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from reservoir.errors import ConfigError, UserSQLError
 from reservoir.plan.presets import PRESETS
 from reservoir.plan.tasks import GENERATORS
-from reservoir.plan.urls import DEFAULT_DATA_DIR, UrlError, canonical, from_env, redact_text
+from reservoir.plan.urls import (DEFAULT_DATA_DIR, UrlError, canonical, from_env, redact_text,
+                                 server_key)
 from reservoir.sqltext import check_expression
 from reservoir.yamlfile import line_of, read_yaml
 
@@ -135,6 +136,7 @@ RunName = Annotated[str, AfterValidator(_run_name)]
 LocalPath = Annotated[Path, AfterValidator(_local_path)]  # every file or folder in a config
 Device = Annotated[str, AfterValidator(_device)]
 DatabaseUrl = Annotated[str | None, AfterValidator(_database_url)]
+ServerUrl = Annotated[str, AfterValidator(_database_url)]
 # Numbers are checked for type (no true/false, no 1.5 where a count is meant), range and
 # finiteness; the bounds keep values inside what the store's columns and a machine can hold.
 Count = Annotated[int, Field(strict=True)]
@@ -241,6 +243,12 @@ class StoreConfig(Section):
         default=None,
         description="PostgreSQL URL. Unset: RESERVOIR_DB_URL, else the embedded server.",
     )
+    urls: tuple[ServerUrl, ...] = Field(
+        default=(), max_length=1024,
+        description="Several PostgreSQL servers, each run's rows on one of them: the first "
+        "holds run_servers (run -> server, chosen when the run is created by least declared "
+        "demand, run.demand, or named by run.store). Excludes url and reader_url (people "
+        "read each server as reservoir_reader with RESERVOIR_READER_PASSWORD).")
     data_dir: LocalPath = Field(
         default=Path(DEFAULT_DATA_DIR),
         description="Data directory of the embedded server (used only without a URL).",
@@ -261,8 +269,21 @@ class StoreConfig(Section):
     retention: RetentionConfig = Field(
         default=RetentionConfig(), description="archiving and retiring the rows of ended runs")
 
+    @model_validator(mode="after")
+    def _one_way_to_servers(self) -> StoreConfig:
+        if self.urls and (self.url or self.reader_url):
+            raise ValueError("store.urls: set it or store.url / store.reader_url, not both "
+                             "(with urls each run's server is read from run_servers)")
+        if len(set(map(server_key, self.urls))) != len(self.urls):
+            raise ValueError("store.urls: a server is named twice (same host, port and "
+                             "database)")
+        return self
+
     def resolved_url(self) -> str | None:
         """The server URL from config or environment; None selects the embedded server."""
+        if self.urls:
+            raise ConfigError("store.urls names several servers: work on one run's server "
+                              "(reservoir.servers.routed), not on the store as a whole")
         return self.url or from_env()
 
 
@@ -595,6 +616,11 @@ class AlgorithmConfig(Section):
     old_logprobs: Literal["engine", "recompute"] | None = Field(
         default=None, description="what ratios are taken against: the engine's sampled "
         "logprobs, or the policy's, recomputed before the step's first update")
+    flat_updates: Literal["skip", "step"] | None = Field(
+        default=None, description="an update in which no row has signal (every group's "
+        "rewards equal) and the loss is proportional to the advantage: skip (the default) "
+        "leaves the weights and AdamW's moments as they are; step takes AdamW's step on zero "
+        "gradients, as TRL does (its moments keep moving the weights)")
 
     @model_validator(mode="after")
     def _updates_fit(self) -> AlgorithmConfig:
@@ -819,8 +845,17 @@ class RunSection(Section):
     branch_from: Annotated[str | None, AfterValidator(_branch)] = Field(
         default=None, description="RUN@STEP (`--from`): start from that run's weights at that "
         "step, with its tasks and, for stored-data stages, its experiences up to that step")
+    store: Count | None = count(None, 0, 1023, "with store.urls: the server a new run is "
+                                "placed on, by its place in the list (0 is the first); unset: "
+                                "the one with the least declared demand")
+    demand: Number = number(
+        1.0, ge=0, le=1e9, description="with store.urls: the load this run declares, in any "
+        "unit used alike for every run (its GPUs, say); a new run goes to the server whose runs "
+        "declare the least")
     ray_address: str | None = Field(
-        default=None, description="Ray cluster to run the worker pools on; unset: local Ray")
+        default=None, description="Ray cluster to run the worker pools on; unset: "
+        "RAY_ADDRESS, else the cluster `ray start` last started on this machine, else a Ray "
+        "of the run's own")
     resume_wait_s: Number = number(
         3600.0, ge=0, le=30 * DAY, description="how long the run's explorers and stream "
         "pipelines started on their own wait for its trainer to resume once the run failed "
@@ -864,6 +899,13 @@ class ReservoirConfig(Section):
             raise ValueError(f"trainer.workers ({self.trainer.workers}) exceeds "
                              f"trainer.batch_groups ({self.trainer.batch_groups}): every rank "
                              "trains at least one whole group")
+        return self
+
+    @model_validator(mode="after")
+    def _store_in_urls(self) -> ReservoirConfig:
+        if self.run.store is not None and self.run.store >= len(self.store.urls):
+            raise ValueError(f"run.store: {self.run.store} is not a place in store.urls "
+                             f"({len(self.store.urls)} servers, counted from 0)")
         return self
 
     @model_validator(mode="after")

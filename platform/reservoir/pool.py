@@ -15,6 +15,7 @@ import math
 import signal
 import uuid
 import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -34,6 +35,7 @@ from reservoir.monitor import Monitor, live
 from reservoir.pipeline.stream import PipelineWorker, stream_spec
 from reservoir.plan.weights import branch_checkpoint, check_model
 from reservoir.prepare import absolute, ensure_run
+from reservoir.servers import routed
 from reservoir.store import Store
 from reservoir.trainer.worker import RunSummary, TrainerWorker
 from reservoir.plan.stages import total_steps
@@ -110,9 +112,10 @@ def _report(refs: list) -> None:
     raised (the run is the trainer's: it finished)."""
     import ray
 
+    deadline = time.monotonic() + 120  # for them all: an actor never placed waits no longer
     for ref in refs:
         try:
-            stats = ray.get(ref, timeout=120)
+            stats = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except (ray.exceptions.RayError, TimeoutError) as exc:
             warn(DRIVER, f"a worker ended with an error: {str(exc).splitlines()[0]}")
             continue
@@ -207,7 +210,7 @@ def _prepared(config: ReservoirConfig) -> ReservoirConfig:
     for index, path in enumerate(config.pipelines):
         stream_spec(path, index)
     make_workflow(config.explorer.workflow, config.explorer.workflow_options)
-    return config
+    return routed(config, create=True)  # store.urls: the config on the run's server
 
 
 def _in_front(worker, monitor: Monitor, console: Console, view: bool):

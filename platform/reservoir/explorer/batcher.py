@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from reservoir.explorer.engine import Engine, Request, Sample
+from reservoir.explorer.engine import Done, Engine, Request, Sample
 
 
 @dataclass
@@ -93,6 +93,24 @@ class Batcher:
             if len(self._jobs) == 1 or len(self._jobs) >= self._participants:
                 self._lock.notify_all()  # the first starts the wait, the last ends it
         return job.result.result()
+
+    def generate_round(self, requests: Sequence[Request], order: tuple = (),
+                       on_done: Done | None = None) -> list[list[Sample]]:
+        """A whole round's requests in one call by one caller (a workflow's `round`): on an
+        inline batcher's own thread the engine runs now, on this thread, and `on_done` hears
+        of each request as the engine finishes it; otherwise they are one participant's batch
+        like any other, and `on_done` hears of them all when it is answered."""
+        if self.inline:
+            with self._engine_lock:
+                return self.engine.generate(requests, on_done=on_done)
+        self.join()
+        try:
+            samples = self.generate(requests, order)
+        finally:
+            self.leave()
+        for index, each in enumerate(samples if on_done is not None else ()):
+            on_done(index, each)
+        return samples
 
     @contextmanager
     def exclusive(self):

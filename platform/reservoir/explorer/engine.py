@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -45,12 +45,15 @@ class Request:
     max_tokens: int = 32
 
 
+Done = Callable[[int, list[Sample]], None]  # (request index, its samples), once each is done
+
+
 class Engine(Protocol):
     tokenizer: object
     context: int  # positions the model attends to, prompt and response together
 
-    def generate(self, requests: Sequence[Request], *, seed: int | None = None
-                 ) -> list[list[Sample]]: ...
+    def generate(self, requests: Sequence[Request], *, seed: int | None = None,
+                 on_done: Done | None = None) -> list[list[Sample]]: ...
 
     def sample(self, prompts: list[str], n: int, *, temperature: float = 1.0,
                max_tokens: int = 32, seed: int | None = None) -> list[list[Sample]]: ...
@@ -124,10 +127,13 @@ class TransformersEngine(Sampling):
             self.model.load_state_dict(load_model(path)[0].state_dict())
 
     @torch.no_grad()
-    def generate(self, requests: Sequence[Request], *, seed: int | None = None
-                 ) -> list[list[Sample]]:
+    def generate(self, requests: Sequence[Request], *, seed: int | None = None,
+                 on_done: Done | None = None) -> list[list[Sample]]:
         """Each request's n samples. Rows (a request's prompt n times) that share temperature
-        and max_tokens go through `generate` together, batch_size rows at a time."""
+        and max_tokens go through `generate` together, batch_size rows at a time, shortest
+        prompts first (a chunk's prompts are padded to its longest only); `on_done` hears of
+        each request as soon as the chunk that ends it is (its caller can score it while the
+        next chunk generates)."""
         if seed is not None:
             torch.manual_seed(seed)
         rows = defaultdict(list)  # (temperature, max_tokens) -> (request index, prompt ids)
@@ -136,11 +142,14 @@ class TransformersEngine(Sampling):
                 [(index, list(request.prompt_ids))] * request.n)
         out: list[list[Sample]] = [[] for _ in requests]
         for (temperature, max_tokens), chunk_rows in rows.items():
+            chunk_rows.sort(key=lambda row: len(row[1]))  # stable: a request's rows together
             for start in range(0, len(chunk_rows), self.batch_size):
                 chunk = chunk_rows[start:start + self.batch_size]
                 samples = self._sample_chunk([ids for _, ids in chunk], temperature, max_tokens)
                 for (index, _), one in zip(chunk, samples):
                     out[index].append(one)
+                    if on_done is not None and len(out[index]) == requests[index].n:
+                        on_done(index, out[index])
         return out
 
     def _sample_chunk(self, prompts: list[list[int]], temperature: float,

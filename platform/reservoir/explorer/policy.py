@@ -18,7 +18,7 @@ import numpy as np
 
 from reservoir.chat import Message, prompt_ids
 from reservoir.explorer.batcher import Batcher
-from reservoir.explorer.engine import Request, Sample
+from reservoir.explorer.engine import Done, Request, Sample
 from reservoir.explorer.episode import Episode
 from reservoir.explorer.rewards import Components, RewardFunction, score
 from reservoir.store import Experience
@@ -59,9 +59,22 @@ class Policy:
         """n responses (the policy's n unless given) to a prompt or a conversation. Every
         sample is drawn at the run's temperature, the one the trainer scores tokens at."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        request = Request(prompt_ids(self.tokenizer, messages), n or self.n,
-                          self.sampling.temperature, max_tokens or self.sampling.max_tokens)
-        return self.batcher.generate([request], self.order)[0]
+        return self.batcher.generate([self._request(messages, n, max_tokens)], self.order)[0]
+
+    @staticmethod
+    def sample_round(policies: Sequence["Policy"], conversations: Sequence[Sequence[Message]],
+                     on_done: Done | None = None) -> list[list[Sample]]:
+        """Each policy's n responses to its conversation, all in one engine call (a workflow's
+        `round`, on the exploring thread); `on_done(index, samples)` as each is ready."""
+        first = policies[0]
+        requests = [policy._request(messages) for policy, messages in zip(policies, conversations)]
+        return first.batcher.generate_round(requests, first.order, on_done)
+
+    def _request(self, messages: Sequence[Message], n: int | None = None,
+                 max_tokens: int | None = None) -> Request:
+        """n samples (the policy's unless given) of the conversation at the run's temperature."""
+        return Request(prompt_ids(self.tokenizer, messages), n or self.n,
+                       self.sampling.temperature, max_tokens or self.sampling.max_tokens)
 
     def episode(self, prompt: str | Sequence[Message]) -> Episode:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

@@ -34,7 +34,8 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from reservoir.errors import ConfigError
-from reservoir.explorer.engine import Request, Sample, Sampling, context_length, decode
+from reservoir.explorer.engine import (Done, Request, Sample, Sampling, context_length,
+                                       decode)
 
 MAX_SEQUENCES = 256  # requests vLLM's scheduler runs at once (its max_num_seqs)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -203,9 +204,10 @@ class VLLMEngine(Sampling):
         """The processes holding the model (one per worker): they stay across weight updates."""
         return self.llm.collective_rpc("reservoir_pid")
 
-    def generate(self, requests: Sequence[Request], *, seed: int | None = None
-                 ) -> list[list[Sample]]:
-        """Each request's n samples, all requests in one `LLM.generate` call."""
+    def generate(self, requests: Sequence[Request], *, seed: int | None = None,
+                 on_done: Done | None = None) -> list[list[Sample]]:
+        """Each request's n samples, all requests in one `LLM.generate` call (`on_done` hears
+        of each once the call returns: vLLM schedules the whole batch itself)."""
         from vllm import SamplingParams, TokensPrompt
 
         eos = self.tokenizer.eos_token_id
@@ -234,4 +236,6 @@ class VLLMEngine(Sampling):
                 prompt_ids=ids, response_ids=np.asarray(response, dtype=np.int32),
                 logprobs=np.asarray(choice.logprobs.logprobs, dtype=np.float32), text=text,
                 raw_text=raw, finished=bool(response) and response[-1] == eos))
+        for index, samples in enumerate(out if on_done is not None else ()):
+            on_done(index, samples)
         return out

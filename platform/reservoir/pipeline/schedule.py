@@ -93,12 +93,13 @@ def _run_one(store: Store, held, console: Console) -> None:
 
 
 def serve(store: Store, console: Console, *, poll_s: float = 10.0, once: bool = False,
-          patience_s: float = 120.0) -> None:
+          patience_s: float = 120.0, what: str = "scheduler") -> None:
     """Run due pipelines until interrupted (or one pass with once); a pass lost to a store
-    restart is run again (a schedule advances only with its run, under its row lock)."""
+    restart is run again (a schedule advances only with its run, under its row lock). `what`
+    names the scheduler in its lines."""
     patience = Patience(patience_s, say=lambda line: console.print(line, markup=False))
     while True:
-        patience(lambda: run_due(store, console), "scheduler")
+        patience(lambda: run_due(store, console), what)
         if once:
             return
         time.sleep(poll_s)

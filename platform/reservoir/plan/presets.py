@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 
-STEP_OPTIONS = ("epochs", "mini_batches", "old_logprobs")
+STEP_OPTIONS = ("epochs", "mini_batches", "old_logprobs", "flat_updates")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class Algorithm:
     epochs: int = 1                      # passes over a step's batch (PPO epochs)
     mini_batches: int = 1                # optimizer updates per pass (PPO mini-batches)
     old_logprobs: Literal["engine", "recompute"] = "engine"  # what ratios are taken against
+    flat_updates: Literal["skip", "step"] = "skip"  # an update no row gives signal to
 
     @property
     def updates(self) -> int:

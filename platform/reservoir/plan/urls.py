@@ -114,6 +114,14 @@ def scrub(value: Any) -> Any:
     return value
 
 
+def server_key(url: str) -> str:
+    """The server and database a URL reaches, as host:port/database: no login, no secret (how
+    run_servers names a server, and how rows from several servers are labelled)."""
+    options = parse(url)
+    host = options.get("host") or "localhost"
+    return f"{host}:{options.get('port') or 5432}/{options.get('dbname') or options.get('user')}"
+
+
 def with_user(url: str, user: str, password: str | None = None) -> str:
     """The same server, database and options as `url`, logged in as `user`."""
     options = {key: value for key, value in parse(url).items() if key not in SECRET_KEYS}

@@ -34,7 +34,8 @@ _EXPORTS = {
     "DEMO_RUNS": "inspect", "DEMO_STEPS": "inspect", "DEMO_TRAINED": "inspect",
     "read_gauges": "gauges",
     # archives and retention
-    "archive_run": "archive", "restore_run": "archive", "apply_retention": "archive",
+    "archive_run": "archive", "restore_run": "archive", "archived_run": "archive",
+    "apply_retention": "archive",
     # looking after a store: its embedded server, schema revision and logins' passwords
     "start_server": "admin", "stop_server": "admin", "upgrade_schema": "admin",
     "downgrade_schema": "admin", "schema_status": "admin", "set_login_password": "admin",

@@ -284,6 +284,11 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def archived_run(in_dir: Path | str) -> str:
+    """The name of the run an archive folder holds (its manifest read and checked)."""
+    return Manifest.read(Path(in_dir), tuple(TABLES)).run
+
+
 def restore_run(target: Store | Engine | str, in_dir: Path | str, *, chunk_rows: int = CHUNK_ROWS,
                 progress: Progress | None = None,
                 reward_range: tuple[float, float] | None = None) -> Manifest:

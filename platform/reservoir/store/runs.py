@@ -154,6 +154,11 @@ def listing(conn: Connection) -> list[dict[str, Any]]:
     return [dict(row) for row in conn.execute(stmt).mappings()]
 
 
+def finished_names(conn: Connection) -> list[str]:
+    """The names of the runs that finished (placement counts every other run's demand)."""
+    return list(conn.execute(select(runs.c.name).where(runs.c.status == "finished")).scalars())
+
+
 def delete_run(conn: Connection, name: str) -> bool:
     """Delete a run and everything that is its (tasks, experiences, steps, versions); its
     experiences go with their partitions."""
@@ -278,6 +283,7 @@ class Runs(Door):
     latest_policy = reading(latest_policy)
     latest_versions = reading(latest_versions)
     listing = reading(listing)
+    finished_names = reading(finished_names)
     snapshot = reading(snapshot)
     status_of = reading(status_of)
     rows_written = reading(rows_written)

@@ -468,6 +468,19 @@ explorer_rounds = Table(
             "it waited for.",
 )
 
+run_servers = Table(
+    "run_servers",
+    metadata,
+    Column("run_name", Text, primary_key=True),
+    Column("server", Text, nullable=False),
+    Column("demand", Float, nullable=False),
+    Column("placed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("demand >= 0 AND demand < 'Infinity'", name="run_servers_demand_valid"),
+    Index("run_servers_server", "server"),
+    comment="Which server each run lives on when store.urls names several (read on the "
+            "first): host:port/database, the demand the run declared, when it was placed.",
+)
+
 episodes = Table(
     "episodes",
     metadata,

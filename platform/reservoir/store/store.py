@@ -22,8 +22,8 @@ from reservoir.config import (DEFAULT_REWARD_RANGE, ReservoirConfig, SamplerConf
 from reservoir.errors import ConfigError
 from reservoir.logs import say
 from reservoir.store import engine as engines
-from reservoir.store import (episodes, ledger, pipelines, preferences, reviews, runs, sampler,
-                             rounds, schedules, tasks, trackers, writer)
+from reservoir.store import (episodes, ledger, pipelines, preferences, reviews, run_servers,
+                             runs, sampler, rounds, schedules, tasks, trackers, writer)
 from reservoir.store import migrate as migrations
 from reservoir.plan.urls import redact
 from reservoir.store.loop import LoopThread
@@ -177,6 +177,7 @@ class Store:
         self.episodes = episodes.Episodes(self.engine)
         self.trackers = trackers.Trackers(self.engine)
         self.rounds = rounds.Rounds(self.engine)
+        self.run_servers = run_servers.RunServers(self.engine)
 
     @classmethod
     def open(cls, config: ReservoirConfig | None = None, *, quiet: bool = False,

@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 
 from reservoir.errors import ReservoirError, StoreError
 from reservoir.logs import LOGGER, event_of, replay as say_again, warn
+from reservoir.plan.urls import redact_text
 from reservoir.tracking.series import StepSeries, step_series
 from reservoir.tracking.trackers import STEP_KEY, configured
 
@@ -212,6 +213,14 @@ def follower() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's, which says stop
     logging.getLogger(LOGGER).handlers = [_ToParent()]
     orders = json.loads(sys.stdin.buffer.readline())
+    try:
+        _follow_orders(orders)
+    except Exception as exc:  # the store unreachable at the start, a broken install: one line
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        warn("trackers", f"the trackers stopped (the run goes on): {redact_text(cause)}")
+
+
+def _follow_orders(orders: dict) -> None:
     from reservoir.config import ReservoirConfig
     from reservoir.store import Store
 

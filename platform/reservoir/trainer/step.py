@@ -174,12 +174,16 @@ def _update(stepped: list[tuple], batch: TrainBatch, index: torch.Tensor, prepar
     for _, optimizer, _ in stepped:
         optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {"loss": 0.0}
-    if ranks.world == 1 and _flat_rows_add_nothing(algorithm, critic):
+    if _flat_rows_add_nothing(algorithm, critic):  # every rank holds the update's advantages
         signal = _with_signal(prepared.advantages[index.to(prepared.advantages.device)])
-        sums["rows_without_signal"] = float(total_rows - len(signal))
-        mini, index = mini.rows(signal.to(mini.input_ids.device)), index[signal.cpu()]
-        if not len(mini):  # nothing to learn: the optimizer steps on zero gradients
-            return sums | _zero_gradient_step(stepped, max_grad_norm)
+        if not len(signal) and algorithm.flat_updates == "skip":
+            return sums | {"rows_without_signal": float(total_rows), "skipped_update": 1.0} | {
+                name: 0.0 for _, _, name in stepped if max_grad_norm is not None}
+        if ranks.world == 1:  # several ranks run every row: each rank's share is fixed
+            sums["rows_without_signal"] = float(total_rows - len(signal))
+            mini, index = mini.rows(signal.to(mini.input_ids.device)), index[signal.cpu()]
+            if not len(mini):  # flat_updates: step: AdamW steps on zero gradients, as TRL
+                return sums | _zero_gradient_step(stepped, max_grad_norm)
     share = ranks.share(len(mini))
     if share.stop == share.start:
         raise ConfigError(f"an update of {total_rows} rows leaves trainer rank {ranks.rank} of "
@@ -223,8 +227,9 @@ ZERO_AT_ZERO_ADVANTAGE = ("ppo", "gspo", "cispo", "opmd")
 def _flat_rows_add_nothing(algorithm: Algorithm, critic) -> bool:
     """Whether rows without signal (advantage 0 at every token) add exactly nothing to the
     update: a loss proportional to the advantage and no term that is not (entropy, KL in
-    the loss, a critic's value loss). They then skip the forward and backward passes; the
-    loss is still normalised over every row's tokens, so the gradient is the same."""
+    the loss, a critic's value loss). On one rank they then skip the forward and backward
+    passes; the loss is still normalised over every row's tokens, so the gradient is the
+    same. An update with no such row at all is skipped whole (`flat_updates: skip`)."""
     return (algorithm.policy_loss in ZERO_AT_ZERO_ADVANTAGE and algorithm.entropy_coef == 0
             and not (algorithm.kl_coef > 0 and algorithm.kl_in == "loss") and critic is None)
 
@@ -236,8 +241,9 @@ def _with_signal(advantages: torch.Tensor) -> torch.Tensor:
 
 
 def _zero_gradient_step(stepped: list[tuple], max_grad_norm: float | None) -> dict[str, float]:
-    """The optimizer step of an update whose every row was without signal: zero gradients
-    (AdamW still moves the weights by its moments and decay, as the full pass would)."""
+    """The optimizer step of an update whose every row was without signal (`flat_updates:
+    step`): zero gradients (AdamW still moves the weights by its moments and decay, as the
+    full pass would)."""
     for model, _, _ in stepped:
         for param in model.parameters():
             if param.requires_grad:

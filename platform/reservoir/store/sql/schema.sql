@@ -849,6 +849,18 @@ CREATE INDEX explorer_rounds_run ON explorer_rounds (run_id, finished_at);
 COMMENT ON TABLE explorer_rounds IS
   'Each explorer round a run''s groups came from: worker, policy version, groups, experiences, response tokens, generation seconds and the in-place weight update it waited for.';
 
+-- Where each run lives when store.urls names several servers (only the first one's rows count).
+CREATE TABLE run_servers (
+    run_name text PRIMARY KEY,
+    server text NOT NULL,                           -- host:port/database, never a login
+    demand double precision NOT NULL,
+    placed_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT run_servers_demand_valid CHECK (demand >= 0 AND demand < 'Infinity')
+);
+CREATE INDEX run_servers_server ON run_servers (server);
+COMMENT ON TABLE run_servers IS
+  'Which server each run lives on when store.urls names several (read on the first): host:port/database, the demand the run declared, when it was placed.';
+
 
 -- ============================================================================================
 -- Analytics: what people read (as reservoir_reader). Views run with their owner's rights, so
@@ -1108,6 +1120,11 @@ FROM public.explorer_rounds x JOIN public.runs r ON r.id = x.run_id;
 COMMENT ON VIEW analytics.explorer_rounds IS
   'Each explorer round: its run, worker, policy version, groups, experiences, response tokens, generation seconds and in-place update seconds.';
 
+CREATE VIEW analytics.run_servers AS
+SELECT run_name AS run, server, demand, placed_at FROM public.run_servers;
+COMMENT ON VIEW analytics.run_servers IS
+  'Which server each run lives on (store.urls; the first server''s rows are the ones read).';
+
 
 CREATE VIEW analytics.run_gauges AS
 SELECT r.name AS run, r.status, r.rows_inserted AS rows_written, r.rows_sampled,
@@ -1209,5 +1226,6 @@ GRANT SELECT ON analytics.experiences, analytics.experience_tokens, analytics.ru
     analytics.pipeline_runs, analytics.operator_events, analytics.validations,
     analytics.reviews, analytics.schedules, analytics.preferences, analytics.episodes,
     analytics.episode_calls, analytics.review_actions, analytics.run_gauges,
-    analytics.pipeline_gauges, analytics.schedule_gauges, analytics.explorer_rounds
+    analytics.pipeline_gauges, analytics.schedule_gauges, analytics.explorer_rounds,
+    analytics.run_servers
     TO reservoir_reader;
