@@ -10,12 +10,13 @@ import subprocess
 from pathlib import Path
 
 import psutil
+import psycopg2
 import pytest
 import torch
 from ray._private import ray_constants
 
 from reservoir.models import build_tiny_model
-from tests.commands import RESERVOIR
+from tests.commands import RESERVOIR, execute
 from tests.test_recovery import finish, query, start, wait_for, write_config
 from tests.test_run import ledger
 
@@ -25,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.process]
 QUICK_NODE_DEATH = {"_system_config": {"health_check_initial_delay_ms": 0,
                                        "health_check_period_ms": 500,
                                        "health_check_failure_threshold": 2}}
+HOLD_WRITES = 7_340_031  # the advisory lock key a test holds explorers' group writes on
 
 
 @pytest.fixture
@@ -96,32 +98,51 @@ def assert_whole(db_url: str, steps: int) -> None:
 
 
 def test_roles_run_where_their_resources_say_and_losing_an_explorer_node_loses_no_row(
-        tmp_path, db_url, cluster):
+        tmp_path, db_url, as_admin, cluster):
     """The trainer runs on the head (trainer_node), the two explorers on two other nodes
     (explorer_node), each as its first line says. Then the node of an explorer holding claims
     goes (its raylet and workers killed): Ray starts that explorer again on the node left free,
-    its claims expire and are claimed again, and the run finishes whole."""
+    its claims expire and are claimed again, and the run finishes whole.
+
+    Claims live only while a round generates (~50 ms here), too short to catch by polling on a
+    loaded machine: from step 2 on, a trigger holds each group's write (the update counting its
+    tasks explored, in the write's transaction) on an advisory lock the test holds, so an
+    explorer waits with its claims held until its node is gone."""
     ray_cluster, nodes = cluster
     raw = cluster_config(tmp_path, db_url, ray_cluster.address, "lose-a-node")
     raw["trainer"]["steps"] = 12
     config = write_config(tmp_path / "run.yaml", raw)
-    run = start("run", str(config), cwd=tmp_path)
-
-    def an_explorer_node_with_claims():
-        """Claims live while an explorer generates: one statement a poll, to catch them."""
-        if run.poll() is not None:
-            raise AssertionError("the run ended before an explorer held claims after step 2")
-        claims = query(db_url, "SELECT claimed_by FROM tasks WHERE claim_token IS NOT NULL "
-                               "AND claimed_until > now() AND (SELECT count(*) FROM train_steps "
-                               "WHERE step > 0) >= 2 LIMIT 1")
-        return claims and node_of_process(int(claims[0][0].rsplit(":", 1)[1]), nodes)
-
+    admin = as_admin(db_url)
+    execute(admin, f"""CREATE FUNCTION public.hold_writes() RETURNS trigger LANGUAGE plpgsql
+        AS $$ BEGIN IF NEW.times_explored > OLD.times_explored AND (SELECT count(*) FROM
+        train_steps WHERE step > 0) >= 2 THEN PERFORM pg_advisory_xact_lock_shared({HOLD_WRITES});
+        END IF; RETURN NEW; END $$""", "CREATE TRIGGER hold_writes BEFORE UPDATE ON tasks "
+            "FOR EACH ROW EXECUTE FUNCTION public.hold_writes()")
+    held = psycopg2.connect(admin)
     try:
-        lost = wait_for(an_explorer_node_with_claims, timeout=240, every=0.05)
-    except AssertionError as timed_out:
-        run.kill()
-        raise AssertionError(f"{timed_out}; the run printed:\n{run.communicate()[0]}") from None
-    ray_cluster.remove_node(nodes[lost], allow_graceful=False)
+        held.autocommit = True
+        with held.cursor() as cur:
+            cur.execute("SELECT pg_advisory_lock(%s)", (HOLD_WRITES,))
+        run = start("run", str(config), cwd=tmp_path)
+
+        def an_explorer_node_with_claims():
+            if run.poll() is not None:
+                raise AssertionError("the run ended before an explorer's write was held")
+            claims = query(db_url, "SELECT claimed_by FROM tasks WHERE claim_token IS NOT NULL "
+                                   "AND EXISTS (SELECT 1 FROM pg_locks WHERE locktype = "
+                                   "'advisory' AND NOT granted) LIMIT 1")
+            return claims and node_of_process(int(claims[0][0].rsplit(":", 1)[1]), nodes)
+
+        try:
+            lost = wait_for(an_explorer_node_with_claims, timeout=240)
+        except AssertionError as timed_out:
+            run.kill()
+            raise AssertionError(f"{timed_out}; the run printed:\n{run.communicate()[0]}") \
+                from None
+        ray_cluster.remove_node(nodes[lost], allow_graceful=False)
+    finally:
+        held.close()  # the writes go on; the lost explorer's backend aborts its write
+    execute(admin, "DROP TRIGGER hold_writes ON tasks", "DROP FUNCTION public.hold_writes()")
     output = finish(run, timeout=600)
 
     node_ids = [node.node_id for node in nodes]
