@@ -49,7 +49,6 @@ def sql(db_url: str, statement: str):
     ("explorer", {"workers": 2}, "explorer.workers is 2 but run.placement is colocated"),
     ("explorer", {"engine": "vllm"}, "explorer.engine is vllm but run.placement is colocated"),
     ("explorer", {"device": "cuda"}, "explorer.device is cuda but run.placement is colocated"),
-    ("serve", {}, "serve: is set but run.placement is colocated"),
 ])
 def test_what_a_colocated_run_cannot_be_is_one_line(key, value, message):
     raw = {"run": {"placement": "colocated"}, "tasks": {"generate": "reverse"},
@@ -167,3 +166,18 @@ def test_the_colocated_example_is_the_main_job_in_one_process():
     for config in (split, colocated):
         config["run"].pop("name"), config["run"].pop("placement")
     assert colocated == split
+
+
+@pytest.mark.slow
+def test_a_served_colocated_run_nobody_calls_stops_after_its_wait_timeout(tmp_path, db_url):
+    from reservoir.errors import FlowControlTimeout
+    from tests.test_serve import free_port
+
+    port = free_port()
+    raw = colocated(tmp_path, db_url, tasks={"generate": None}, serve={"port": port},
+                    trainer={"wait_timeout_s": 2})
+    with pytest.raises(FlowControlTimeout, match=re.escape(
+            f"trainer.wait_timeout_s: no episode was reported to http://127.0.0.1:{port}/v1 "
+            "and no task was explored in 2s")):
+        pool.run(parse_config(raw))
+    assert ledger(db_url)["status"] == "failed"

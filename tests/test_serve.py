@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from reservoir.agent import Episode, report_reward
 from reservoir.config import load_config
@@ -23,6 +24,7 @@ from reservoir.models import build_tiny_model
 from reservoir.store import Store, codec
 from tests.test_recovery import RESERVOIR, finish, query, start, wait_for, write_config
 from tests.test_restart import own_server  # noqa: F401 (a fixture)
+from tests.test_run import ledger
 
 pytestmark = pytest.mark.slow
 
@@ -346,3 +348,61 @@ def test_pages_numbers_big_bodies_and_other_clients_change_nothing(served, db_ur
     assert post(json.dumps({"model": "agent", "messages": many}).encode(),
                 "chat/completions").status_code == 400
     assert counts(db_url) == (2, 1, 2)
+
+
+def test_a_colocated_run_serves_its_own_module_between_its_steps(tmp_path, db_url):
+    """`serve:` in a colocated run: the run's one process serves the endpoint from the module
+    it trains. Calls generate only between steps, tagged with the version that generated them:
+    a call after step 1 carries version 1 and its logprobs are version 1's (the checkpoint of
+    step 1) to 1e-4; `reservoir serve` refuses such a config."""
+    from reservoir.models import load_model
+
+    port = free_port()
+    config = write_config(tmp_path / "agent.yaml", {
+        "run": {"name": "agent", "placement": "colocated"},
+        "model": {"path": str(build_tiny_model(tmp_path / "tiny"))},
+        "tasks": {"generate": None}, "serve": {"port": port, "max_tokens": 8},
+        "trainer": {"algorithm": "grpo", "steps": 2, "batch_groups": 2, "micro_batch": 8,
+                    "eval_interval": 100, "checkpoint_interval": 1, "lr": 0.05,
+                    "checkpoint_dir": str(tmp_path / "checkpoints")},
+        "store": {"url": db_url}})
+    refused = subprocess.run([str(RESERVOIR), "serve", str(config)], capture_output=True,
+                             text=True, cwd=tmp_path)
+    assert refused.returncode == 1 and "run.placement is colocated: its trainer's process " \
+        "serves" in refused.stderr, refused.stderr
+    run = start("run", str(config), cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}/v1"
+    wait_for(lambda: run.poll() is not None or responds(f"{base[:-3]}/health"), timeout=120)
+    assert run.poll() is None, run.stdout.read()
+    wait_for(lambda: published(base, 0), timeout=120)
+    client = openai.OpenAI(base_url=base, api_key="unused")
+
+    def episode(name: str, version: int):
+        call = Episode(client, name)
+        sent = call.create(model="agent", messages=USER, n=2, logprobs=True)
+        assert sent.system_fingerprint == f"reservoir-v{version}"
+        call.report(rewards=[0.0, 1.0])
+        return sent
+
+    episode("a", 0), episode("b", 0)  # step 1 trains on them
+    wait_for(lambda: published(base, 1), timeout=120)
+    after = episode("c", 1)
+    episode("d", 1)  # step 2
+    finish(run, timeout=240)
+    found = ledger(db_url)
+    assert found["steps"] == [0, 1, 2] and found["status"] == "finished", found
+    assert (found["bad_steps"], found["trained_twice"]) == (0, 0)
+    assert query(db_url, "SELECT t.step, min(e.policy_version), max(e.policy_version) FROM "
+                         "train_steps t JOIN batch_items b ON b.train_step_id = t.id JOIN "
+                         "experiences e ON e.id = b.experience_id GROUP BY t.step "
+                         "ORDER BY t.step") == [(1, 0, 0), (2, 1, 1)]
+    prompt, response = query(db_url, "SELECT prompt_ids, response_ids FROM experiences WHERE "
+                                     "metadata->>'episode' = 'c' ORDER BY group_row")[0]
+    ids = [*codec.decode(prompt, codec.TOKEN), *codec.decode(response, codec.TOKEN)]
+    model = load_model(tmp_path / "checkpoints" / "agent" / "step-000001")[0].eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    start_at = len(codec.decode(prompt, codec.TOKEN)) - 1
+    expected = logits[start_at:].gather(1, torch.tensor(ids[start_at + 1:])[:, None])[:, 0]
+    sent = [token.logprob for token in after.choices[0].logprobs.content]
+    np.testing.assert_allclose(sent, expected.numpy(), atol=1e-4)

@@ -467,9 +467,10 @@ class TrackingConfig(Section):
 
 
 class ServeConfig(Section):
-    """`reservoir serve`: an OpenAI-compatible endpoint on the run's latest policy. Every call
-    is recorded; an episode's calls become one group when its reward is reported. The bearer
-    token is read from the environment variable `token_env` (a secret stays out of configs)."""
+    """`reservoir serve`: an OpenAI-compatible endpoint on the run's latest policy (a colocated
+    run's own process serves it, between steps). Every call is recorded; an episode's calls
+    become one group when its reward is reported. The bearer token is read from the
+    environment variable `token_env` (a secret stays out of configs)."""
 
     host: Annotated[str, AfterValidator(_host)] = Field(
         default="127.0.0.1", description="address to bind; anything but a loopback address "
@@ -950,10 +951,6 @@ class ReservoirConfig(Section):
             raise ValueError(f"explorer.device is {self.explorer.device} but run.placement is "
                              f"colocated: the explorer uses the trainer's model on "
                              f"trainer.device ({self.trainer.device})")
-        if self.serve is not None:
-            raise ValueError("serve: is set but run.placement is colocated: a served run's "
-                             "groups come from agents through `reservoir serve`; use "
-                             "placement: split")
         return self
 
     @property

@@ -16,6 +16,9 @@ import ipaddress
 import json
 import math
 import socket
+import threading
+import time
+from contextlib import contextmanager
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -170,7 +173,29 @@ def check_free(host: str, port: int, key: str) -> None:
 
 def run_app(app, host: str, port: int) -> None:
     """Serve until Ctrl-C (uvicorn's own handling: it finishes the requests in flight)."""
+    _uvicorn(app, host, port).run()
+
+
+@contextmanager
+def serving(app, host: str, port: int):
+    """The app served on a thread of its own once it listens, until the block ends (then the
+    requests in flight finish, and the thread is joined)."""
+    server = _uvicorn(app, host, port)
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    while not server.started:  # listening, or failed to (the address taken meanwhile)
+        if not thread.is_alive():
+            raise ConfigError(f"cannot listen on {url_of(host, port)}")
+        time.sleep(0.01)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def _uvicorn(app, host: str, port: int):
     import uvicorn
 
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                  access_log=False)).run()
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                         access_log=False))

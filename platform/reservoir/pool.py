@@ -165,6 +165,8 @@ def train(config: ReservoirConfig, *, resume: bool = False, console: Console | N
 
     console = console or Console()
     config = _prepared(config)
+    if config.serve is not None and config.run.placement == "colocated":
+        check_free(config.serve.host, config.serve.port, "serve.port")
     with Store.open(config, migrate=True) as store:
         ensure_run(store, config, resume=resume)
         monitor = Monitor(store, config.run.name, total_steps(config))
@@ -178,6 +180,10 @@ def serve(config: ReservoirConfig, *, console: Console | None = None) -> None:
     """`reservoir serve`: the OpenAI-compatible endpoint, until Ctrl-C."""
     from reservoir.explorer.serve import Server, create_app
 
+    if config.run.placement == "colocated":
+        raise ConfigError("run.placement is colocated: its trainer's process serves the "
+                          "endpoint (serve: in its config); start the run with `reservoir run` "
+                          "(or `reservoir train`)")
     console = console or Console()
     config = _prepared(config)
     check_free(config.serve.host, config.serve.port, "serve.port")

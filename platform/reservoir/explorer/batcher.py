@@ -50,7 +50,7 @@ class Batcher:
         self._jobs: list[_Job] = []
         self._participants = 0
         self._closed = False
-        self._engine_lock = threading.Lock()
+        self._busy = threading.Lock()  # held while the engine generates (or is held)
         self._threads = torch.get_num_threads()
         self._callers: ThreadPoolExecutor | None = None
         self._callers_size = 0
@@ -101,7 +101,7 @@ class Batcher:
         of each request as the engine finishes it; otherwise they are one participant's batch
         like any other, and `on_done` hears of them all when it is answered."""
         if self.inline:
-            with self._engine_lock:
+            with self._busy:
                 return self.engine.generate(requests, on_done=on_done)
         self.join()
         try:
@@ -115,8 +115,16 @@ class Batcher:
     @contextmanager
     def exclusive(self):
         """The engine to the caller alone, between two batches."""
-        with self._engine_lock:
+        with self._busy:
             yield self.engine
+
+    def hold(self) -> None:
+        """Keep the engine from every batch until `let_go` (a colocated trainer holds it
+        while it trains, and lets its server's calls generate between steps)."""
+        self._busy.acquire()
+
+    def let_go(self) -> None:
+        self._busy.release()
 
     def callers(self, threads: int) -> ThreadPoolExecutor:
         """Threads for the batcher's callers (workflows), kept from one round to the next:
@@ -186,7 +194,7 @@ class Batcher:
         """One engine call for the jobs' requests; each job gets its share (or the error)."""
         requests = [request for job in jobs for request in job.requests]
         try:
-            with self._engine_lock:
+            with self._busy:
                 tag, samples = self.tag, self.engine.generate(requests)
         except BaseException as exc:  # every caller of this batch sees the engine's error
             for job in jobs:

@@ -46,7 +46,7 @@ from reservoir.errors import (ConfigError, EpisodeClosed, EpisodeForbidden, Epis
 from reservoir.explorer.batcher import Batcher
 from reservoir.http import Guard, is_loopback, loads, served_hosts
 from reservoir.metrics.requests import MISSING, for_service
-from reservoir.explorer.engine import Request, take_policy
+from reservoir.explorer.engine import Engine, Request, take_policy
 from reservoir.explorer.engines import make_engine
 from reservoir.explorer.openai_api import (ApiError, ChatRequest, Limits, bad, completion,
                                            completion_id, episode_of, episode_secret,
@@ -71,7 +71,9 @@ def token_for(config: ReservoirConfig) -> str | None:
 class Server:
     """The engine behind its batcher, the store, and the policy version being served."""
 
-    def __init__(self, config: ReservoirConfig) -> None:
+    def __init__(self, config: ReservoirConfig, engine: Engine | None = None) -> None:
+        """`engine`: a colocated trainer's, on its own module: nothing is loaded, and the
+        trainer sets the tag (the version) as it lets calls generate between its steps."""
         if config.serve is None:
             raise ConfigError("serve: the config has no serve section; add `serve: {}` (a "
                               "served run's groups are episodes of any size)")
@@ -79,12 +81,15 @@ class Server:
         self.model = config.serve.model_name or config.run.name
         self.store = Store.open(config, quiet=True)
         self.run_id = self.store.run_id(config.run.name)
-        self.batcher = Batcher(make_engine(config, seed=config.run.seed))
+        self.batcher = Batcher(engine or make_engine(config, seed=config.run.seed))
         self.metrics = for_service("serve")
-        self.reload()  # the tag stays None (nothing served) until the trainer publishes
+        self.reported = threading.Event()  # set by each episode reported
         self._stop = threading.Event()
-        self._follower = threading.Thread(target=self._follow, name="policy", daemon=True)
-        self._follower.start()
+        self._follower = None
+        if engine is None:
+            self.reload()  # the tag stays None (nothing served) until the trainer publishes
+            self._follower = threading.Thread(target=self._follow, name="policy", daemon=True)
+            self._follower.start()
 
     @property
     def version(self) -> int | None:
@@ -182,13 +187,15 @@ class Server:
         written = self.store.write_groups([rewarded(episode.group, rewards, components)],
                                           status=status, before_copy=closing(episode, given.reward))
         self.count("reported", 1)
+        self.reported.set()
         return {"episode_id": given.episode, "responses": written.rows, "status": status,
                 "group_id": str(written.group_ids[0]), "policy_version":
                 episode.group[0].policy_version}
 
     def close(self) -> None:
         self._stop.set()
-        self._follower.join(RELOAD_POLL_S + 5)
+        if self._follower is not None:
+            self._follower.join(RELOAD_POLL_S + 5)
         self.batcher.close()
         self.store.close()
 
