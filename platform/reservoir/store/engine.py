@@ -7,6 +7,8 @@ batches.
 
 from __future__ import annotations
 
+import select
+
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError
@@ -35,7 +37,18 @@ def _with_driver(url: str, driver: str) -> URL:
 
 
 def sync_engine(url: str, **kwargs) -> Engine:
-    return create_engine(_with_driver(url, "psycopg2"), pool_pre_ping=True, **kwargs)
+    engine = create_engine(_with_driver(url, "psycopg2"), **kwargs)
+    event.listen(engine.pool, "checkout", _replace_if_ended)
+    return engine
+
+
+def _replace_if_ended(dbapi_connection, connection_record, connection_proxy) -> None:
+    """Pool checkout: a psycopg2 connection the server ended while it sat idle (a restart, an
+    idle timeout) is replaced by a new one. An idle connection has nothing to read unless the
+    server wrote to it (its FATAL notice, then the end of the stream; or a notification it
+    listened for): a poll of its socket, where pool_pre_ping cost a round trip a checkout."""
+    if dbapi_connection.closed or select.select([dbapi_connection], [], [], 0)[0]:
+        raise DisconnectionError("the server ended this pooled connection (or wrote to it)")
 
 
 # asyncpg prepares every statement. At a statement's sixth execution PostgreSQL plans it once
