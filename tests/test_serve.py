@@ -384,7 +384,8 @@ def test_a_colocated_run_serves_its_own_module_between_its_steps(tmp_path, db_ur
         call.report(rewards=[0.0, 1.0])
         return sent
 
-    episode("a", 0), episode("b", 0)  # step 1 trains on them
+    for name in ("a", "b"):  # step 1 trains on them
+        episode(name, 0)
     wait_for(lambda: published(base, 1), timeout=120)
     after = episode("c", 1)
     episode("d", 1)  # step 2
