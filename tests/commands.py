@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg2
@@ -54,6 +56,32 @@ def execute(url: str, *statements: str) -> list[tuple]:
             return cur.fetchall() if cur.description else []
     finally:
         conn.close()
+
+
+@contextmanager
+def holding(admin: str, key: int, *, before: str, table: str,
+            condition: str) -> Iterator[Callable[[], list[int]]]:
+    """While open, each row `BEFORE {before} ON {table}` for which `condition` holds (plpgsql
+    over NEW and OLD) waits, in its transaction, on advisory lock `key`, which this context
+    holds: a test stops a run at a chosen write as long as it needs. Yields a function giving
+    the pids of the backends waiting. At its end the lock goes (the held writes go on) and the
+    trigger is dropped."""
+    name = f"hold_{key}"
+    execute(admin, f"""CREATE FUNCTION public.{name}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN IF {condition} THEN PERFORM pg_advisory_xact_lock_shared({key}); END IF;
+        RETURN NEW; END $$""", f"CREATE TRIGGER {name} BEFORE {before} ON {table} "
+            f"FOR EACH ROW EXECUTE FUNCTION public.{name}()")
+    held = psycopg2.connect(admin)
+    try:
+        held.autocommit = True
+        with held.cursor() as cur:
+            cur.execute("SELECT pg_advisory_lock(%s)", (key,))
+        yield lambda: [pid for (pid,) in execute(
+            admin, "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                   f"AND objid = {key}")]
+    finally:
+        held.close()
+        execute(admin, f"DROP TRIGGER {name} ON {table}", f"DROP FUNCTION public.{name}()")
 
 
 def key_values(out: str) -> dict[str, str]:

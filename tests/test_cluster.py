@@ -10,13 +10,12 @@ import subprocess
 from pathlib import Path
 
 import psutil
-import psycopg2
 import pytest
 import torch
 from ray._private import ray_constants
 
 from reservoir.models import build_tiny_model
-from tests.commands import RESERVOIR, execute
+from tests.commands import RESERVOIR, holding
 from tests.test_recovery import finish, query, start, wait_for, write_config
 from tests.test_run import ledger
 
@@ -112,25 +111,17 @@ def test_roles_run_where_their_resources_say_and_losing_an_explorer_node_loses_n
     raw = cluster_config(tmp_path, db_url, ray_cluster.address, "lose-a-node")
     raw["trainer"]["steps"] = 12
     config = write_config(tmp_path / "run.yaml", raw)
-    admin = as_admin(db_url)
-    execute(admin, f"""CREATE FUNCTION public.hold_writes() RETURNS trigger LANGUAGE plpgsql
-        AS $$ BEGIN IF NEW.times_explored > OLD.times_explored AND (SELECT count(*) FROM
-        train_steps WHERE step > 0) >= 2 THEN PERFORM pg_advisory_xact_lock_shared({HOLD_WRITES});
-        END IF; RETURN NEW; END $$""", "CREATE TRIGGER hold_writes BEFORE UPDATE ON tasks "
-            "FOR EACH ROW EXECUTE FUNCTION public.hold_writes()")
-    held = psycopg2.connect(admin)
-    try:
-        held.autocommit = True
-        with held.cursor() as cur:
-            cur.execute("SELECT pg_advisory_lock(%s)", (HOLD_WRITES,))
+    condition = ("NEW.times_explored > OLD.times_explored AND (SELECT count(*) FROM "
+                 "train_steps WHERE step > 0) >= 2")
+    with holding(as_admin(db_url), HOLD_WRITES, before="UPDATE", table="tasks",
+                 condition=condition) as waiting:
         run = start("run", str(config), cwd=tmp_path)
 
         def an_explorer_node_with_claims():
             if run.poll() is not None:
                 raise AssertionError("the run ended before an explorer's write was held")
-            claims = query(db_url, "SELECT claimed_by FROM tasks WHERE claim_token IS NOT NULL "
-                                   "AND EXISTS (SELECT 1 FROM pg_locks WHERE locktype = "
-                                   "'advisory' AND NOT granted) LIMIT 1")
+            claims = waiting() and query(db_url, "SELECT claimed_by FROM tasks WHERE "
+                                                 "claim_token IS NOT NULL LIMIT 1")
             return claims and node_of_process(int(claims[0][0].rsplit(":", 1)[1]), nodes)
 
         try:
@@ -140,9 +131,7 @@ def test_roles_run_where_their_resources_say_and_losing_an_explorer_node_loses_n
             raise AssertionError(f"{timed_out}; the run printed:\n{run.communicate()[0]}") \
                 from None
         ray_cluster.remove_node(nodes[lost], allow_graceful=False)
-    finally:
-        held.close()  # the writes go on; the lost explorer's backend aborts its write
-    execute(admin, "DROP TRIGGER hold_writes ON tasks", "DROP FUNCTION public.hold_writes()")
+    # the writes go on; the lost explorer's backend aborts its write
     output = finish(run, timeout=600)
 
     node_ids = [node.node_id for node in nodes]

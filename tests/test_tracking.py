@@ -238,9 +238,7 @@ def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, db_url, as_admin
     MLflow hold every step once, with the store's values."""
     import signal
 
-    import psycopg2
-
-    from tests.commands import execute
+    from tests.commands import execute, holding
     from tests.test_colocated import colocated
     from tests.test_recovery import finish, query, start, wait_for, write_config
 
@@ -254,26 +252,15 @@ def test_a_run_killed_and_resumed_logs_each_step_once(tmp_path, db_url, as_admin
     # step 5's commit waits on a lock the test holds until both trackers logged step 3 (their
     # imports take longer than the run on a loaded machine); the run is killed in that commit
     admin = as_admin(db_url)
-    execute(admin, f"""CREATE FUNCTION public.hold_step() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN IF NEW.step >= 5 THEN PERFORM pg_advisory_xact_lock_shared({HOLD_STEP}); END IF;
-        RETURN NEW; END $$""", "CREATE TRIGGER hold_step BEFORE INSERT ON train_steps "
-            "FOR EACH ROW EXECUTE FUNCTION public.hold_step()")
-    held = psycopg2.connect(admin)
-    try:
-        held.autocommit = True
-        with held.cursor() as cur:
-            cur.execute("SELECT pg_advisory_lock(%s)", (HOLD_STEP,))
+    with holding(admin, HOLD_STEP, before="INSERT", table="train_steps",
+                 condition="NEW.step >= 5") as waiting:
         victim = start("run", str(config), cwd=tmp_path)
         wait_for(lambda: query(db_url, "SELECT count(*) FROM run_trackers WHERE last_step >= 3"
                                        )[0][0] == 2, timeout=240)  # each tracker logged steps
-        waiting = wait_for(lambda: execute(admin, "SELECT pid FROM pg_locks WHERE locktype = "
-                                                  "'advisory' AND NOT granted"), timeout=120)
+        held = wait_for(waiting, timeout=120)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-        execute(admin, f"SELECT pg_terminate_backend({waiting[0][0]})")  # step 5 never commits
-    finally:
-        held.close()
-    execute(admin, "DROP TRIGGER hold_step ON train_steps", "DROP FUNCTION public.hold_step()")
+        execute(admin, f"SELECT pg_terminate_backend({held[0]})")  # step 5 never commits
     assert query(db_url, "SELECT max(step) FROM train_steps")[0][0] == 4  # killed mid-run
     finish(start("run", str(config), "--resume", cwd=tmp_path))
     expected = sorted((step, loss) for step, loss in query(
