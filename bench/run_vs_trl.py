@@ -16,6 +16,11 @@ so its reward is printed too but not compared. Needs the bench extra: pip instal
 
 Warm-up and RL steps default per task (TASK_DEFAULTS).
 
+Each side's line ends with the CPU the whole call took per step, this process's (TRL; a
+colocated Reservoir run's trainer and explorer) and every other process's (the store's server,
+a split run's explorers), beside its wall time per step: on a machine whose cores the steps
+keep busy, the store's work is time no overlap gives back.
+
 `--tasks sparse` measures that sparse signal does not erode what the model knows: the warm-up
 teaches only single-digit addition (the known family), the RL tasks mix it (a quarter) with
 two-digit multiplication the tiny model never gets right (the unknown family), so nearly every
@@ -82,6 +87,8 @@ class Outcome:
     extra: dict = field(default_factory=dict)  # means of a few step metrics, for the notes
     families: dict = field(default_factory=dict)  # task source -> per-step rollout reward
     accuracy: float = float("nan")  # held-out accuracy at the end (greedy)
+    cpu: tuple[float, float] = (float("nan"), float("nan"))  # whole call: (this process,
+                                                             # other processes) CPU seconds
 
     def reached(self, level: float, window: int, series: list[float] | None = None) -> int | None:
         """The first step (1-based) whose trailing `window`-step mean is >= level (a side run
@@ -318,13 +325,34 @@ def main() -> None:
             trl = None
             for side in sides:
                 with console.status(f"seed {seed}, {side}: {args.steps} steps"):
-                    outcome = (run_trl_side(model, rl_tasks, test, scratch, args)
-                               if side == "trl"
-                               else run_reservoir(side, model, task_file, scratch, args))
+                    outcome = measured(
+                        lambda: run_trl_side(model, rl_tasks, test, scratch, args)
+                        if side == "trl" else run_reservoir(side, model, task_file, scratch, args))
                 trl = trl or outcome
                 report(console, outcome, trl, args)  # each side as it ends: none is lost
                 outcomes.setdefault(outcome.name, []).append((outcome, trl))
         means(console, outcomes, args)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(this process's CPU seconds, every process's busy CPU seconds: /proc/stat's user, nice,
+    system, irq, softirq and steal; NaN where there is no /proc)."""
+    mine = sum(os.times()[:2])
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(value) for value in stat.readline().split()[1:9]]
+    except OSError:
+        return mine, float("nan")
+    return mine, sum(ticks[i] for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(call) -> Outcome:
+    """The side's outcome with the CPU its whole call took: (this process, the others)."""
+    mine, busy = cpu_seconds()
+    outcome = call()
+    mine_after, busy_after = cpu_seconds()
+    outcome.cpu = (mine_after - mine, (busy_after - busy) - (mine_after - mine))
+    return outcome
 
 
 def _say(console: Console, line: str) -> None:
@@ -414,6 +442,11 @@ def report(console: Console, outcome: Outcome, trl: Outcome, args) -> None:
          f"groups {outcome.zero_variance:.0%} | {outcome.samples} samples, "
          f"{outcome.samples / outcome.seconds[-1]:.0f}/s | training {outcome.seconds[-1]:.1f} s, "
          f"whole call {outcome.wall_s:.1f} s{' | ' + notes if notes else ''}")
+    steps = len(outcome.rollout)
+    _say(console, f"{outcome.name + ' CPU per step':42} this process "
+         f"{1000 * outcome.cpu[0] / steps:.0f} ms, other processes "
+         f"{1000 * outcome.cpu[1] / steps:.0f} ms, wall {1000 * outcome.wall_s / steps:.0f} ms "
+         f"(whole call, {os.cpu_count()} cores)")
     shown = outcome.families if len(outcome.families) > 1 else {}
     for source, series in sorted(shown.items()):
         per = " ".join(f"{np.nanmean(series[i:i + FAMILY_WINDOW]):.2f}"
