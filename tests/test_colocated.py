@@ -18,6 +18,7 @@ from sqlalchemy import text
 from reservoir import pool
 from reservoir.config import parse_config
 from reservoir.errors import ConfigError
+from reservoir.explorer.rewards import REWARDS
 from reservoir.models import build_tiny_model, load_model
 from reservoir.store.engine import sync_engine
 from tests.test_recovery import finish, query, start, wait_for, write_config
@@ -98,6 +99,30 @@ def test_a_colocated_run_trains_its_stages_through_the_store(tmp_path, db_url):
     assert passes >= 4 and dropped_trained == 0
     with pytest.raises(ConfigError, match="run.placement is colocated: its trainer explores"):
         pool.explore(parse_config(raw))
+
+
+GENERATING_THREADS: list[int] = []
+
+
+@REWARDS.register("test_records_threads")
+def records_threads(response: str, answer: str) -> dict:
+    """Scored while the round generates: torch's threads then (a process-wide setting)."""
+    GENERATING_THREADS.append(torch.get_num_threads())
+    return {"accuracy": float(response.strip() == answer)}
+
+
+@pytest.mark.slow
+def test_a_colocated_round_generates_with_the_explorer_threads_and_trains_with_the_trainers(
+        tmp_path, db_url):
+    """explorer.threads holds while a colocated round generates (it was ignored: the round
+    took the trainer's); the trainer's threads come back for its steps. No task is held out:
+    the trainer's evaluation generates with its own threads, as in a split run."""
+    GENERATING_THREADS.clear()
+    raw = colocated(tmp_path, db_url, explorer={"threads": 1, "reward": "test_records_threads"},
+                    trainer={"threads": 2, "steps": 2}, tasks={"test_fraction": 0.0})
+    assert pool.run(parse_config(raw)).steps == 2
+    assert GENERATING_THREADS and set(GENERATING_THREADS) == {1}
+    assert torch.get_num_threads() == 2
 
 
 @pytest.mark.slow

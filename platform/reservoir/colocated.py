@@ -17,7 +17,9 @@ engine while it trains), so every call's samples come from the version it is tag
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+
+import torch
 
 from reservoir.config import ReservoirConfig
 from reservoir.errors import FlowControlTimeout
@@ -74,7 +76,7 @@ class Colocated:
         meanwhile, and let the stream pipelines pass over what came; whether anything came
         (False: the pace allows nothing now). FlowControlTimeout when a served run heard of no
         episode and explored nothing for trainer.wait_timeout_s."""
-        with self.learner.generating() as model:
+        with self.learner.generating() as model, self._explorer_threads():
             self.engine.model = model  # the learner's current module (sharding replaces it)
             explored = self.explorer.round(self.store, self.run_id, self.batcher,
                                            self.stats) == "explored"
@@ -91,6 +93,17 @@ class Colocated:
                 f"trainer.wait_timeout_s: no episode was reported to "
                 f"{url_of(serve.host, serve.port)}/v1 and no task was explored in {limit:g}s")
         return True
+
+    @contextmanager
+    def _explorer_threads(self):
+        """torch's threads while the round generates: explorer.threads where it is set (the
+        trainer's, trainer.threads or every core, otherwise), the trainer's again after."""
+        wanted, threads = self.config.explorer.threads, torch.get_num_threads()
+        torch.set_num_threads(wanted or threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _serve_calls(self) -> bool:
         """Calls generate with the version the explorer holds (the latest published) until an

@@ -537,8 +537,9 @@ class ExplorerConfig(Section):
     resources: RayResources = resources("explorer")
     claim_seconds: Number = number(300.0, gt=0, le=7 * DAY,
                                    description="a dead worker's tasks are claimed again after this")
-    threads: Count | None = count(None, 1, 1024, "torch threads per worker; unset: the cores "
-                                  "shared by the workers that compute at once")
+    threads: Count | None = count(None, 1, 1024, "torch threads per worker (a colocated "
+                                  "run: while its rounds generate); unset: the cores shared by "
+                                  "the workers that compute at once (colocated: the trainer's)")
     device: Device = Field(default="auto", description="where the engine runs: auto (cuda when "
                            "available), cpu, cuda or cuda:N")
     engine: Literal["auto", "transformers", "vllm"] = Field(
