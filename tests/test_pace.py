@@ -112,3 +112,13 @@ def test_groups_too_stale_to_train_do_not_hold_the_budget(store):
     assert _budget(store, run_id, async_pace) == (5, 2)  # step 6's two groups, freshly made
     fill(store, "paced", 1, version=4, start_seed=10)  # still trainable: it counts
     assert _budget(store, run_id, async_pace) == (5, 1)
+
+
+def test_an_explorer_reads_its_runs_status_and_latest_policy_in_one_statement(store):
+    run_id = store.create_run("read", group_size=4)
+    assert store.runs.status_and_policy(run_id) == (store.runs.status_of(run_id), None)
+    store.publish_version("read", 0, location="/w/v0", train_step=0)
+    store.publish_version("read", 1, train_step=1)
+    store.runs.set_status(run_id, "running")
+    assert store.runs.status_and_policy(run_id) == ("running", (1, None))
+    assert store.runs.latest_policy(run_id) == (1, None)

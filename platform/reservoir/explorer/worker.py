@@ -121,7 +121,7 @@ class ExplorerWorker:
     def round(self, store: Store, run_id: int, batcher: Batcher, stats: ExplorerStats) -> str:
         """One round: 'done' (the run ended), 'failed' (its trainer failed), 'wait' (nothing
         to do yet) or 'explored'."""
-        status, policy = store.runs.status_of(run_id), store.runs.latest_policy(run_id)
+        status, policy = store.runs.status_and_policy(run_id)
         if status in DONE:
             return "done"
         if status == "failed":

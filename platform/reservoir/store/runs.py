@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (BigInteger, Connection, Float, Text, bindparam, cast, delete, func,
-                        literal_column, select, update)
+                        literal_column, select, true, update)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
@@ -234,6 +234,17 @@ def status_of(conn: Connection, run_id: int) -> str:
     return conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar_one()
 
 
+def status_and_policy(conn: Connection, run_id: int) -> tuple[str, tuple[int, str | None] | None]:
+    """The run's status and `latest_policy`, in one statement (an explorer's every round)."""
+    latest = (select(policy_versions.c.version, policy_versions.c.location)
+              .where(policy_versions.c.run_id == run_id)
+              .order_by(policy_versions.c.version.desc()).limit(1).lateral("latest"))
+    row = conn.execute(select(runs.c.status, latest.c.version, latest.c.location)
+                       .select_from(runs.outerjoin(latest, true()))
+                       .where(runs.c.id == run_id)).one()
+    return row.status, None if row.version is None else (row.version, row.location)
+
+
 def latest_version(run_id_column):
     """Scalar subquery: the latest published policy version of a run (0 before the first)."""
     return (select(func.coalesce(func.max(policy_versions.c.version), 0))
@@ -286,6 +297,7 @@ class Runs(Door):
     finished_names = reading(finished_names)
     snapshot = reading(snapshot)
     status_of = reading(status_of)
+    status_and_policy = reading(status_and_policy)
     rows_written = reading(rows_written)
     version_by = reading(version_by)
     check_resumable = reading(check_resumable)
