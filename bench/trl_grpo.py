@@ -4,7 +4,8 @@
 Reservoir's `grpo` preset: one optimizer step per generation batch of batch_groups prompts × n
 completions, no KL term (beta 0, no reference model), PPO clip 0.2, group-normalised advantages,
 token-mean loss over the whole batch (loss_type "dapo": with one process, no gradient accumulation
-and steps_per_generation 1 it divides by the batch's completion-token count), AdamW at a constant
+and steps_per_generation 1 it divides by the batch's completion-token count), AdamW on torch's fused
+kernel (transformers' default with torch >= 2.8, as Reservoir's optimizer) at a constant
 learning rate without weight decay (TRL's default and Reservoir's `trainer.weight_decay`),
 gradient norm clipped to 1.0, float32 on the CPU. Prompts are conversational, so TRL renders them
 with the model's chat template as Reservoir's explorer does (the same token ids); the reward is
@@ -89,7 +90,8 @@ def grpo_config(*, n: int, batch_groups: int, lr: float, temperature: float, max
         per_device_train_batch_size=batch_groups * n, gradient_accumulation_steps=1,
         steps_per_generation=1, num_iterations=1, num_generations=n,
         beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch_fused",
         weight_decay=0.0, max_grad_norm=1.0, gradient_checkpointing=False,
         temperature=temperature, top_p=1.0, top_k=0, max_completion_length=max_tokens,
         use_vllm=False, log_completions=False)
