@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (BigInteger, Connection, Float, Text, bindparam, cast, delete, func,
-                        literal_column, select, true, update)
+                        literal_column, select, update)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
@@ -236,12 +236,11 @@ def status_of(conn: Connection, run_id: int) -> str:
 
 def status_and_policy(conn: Connection, run_id: int) -> tuple[str, tuple[int, str | None] | None]:
     """The run's status and `latest_policy`, in one statement (an explorer's every round)."""
-    latest = (select(policy_versions.c.version, policy_versions.c.location)
-              .where(policy_versions.c.run_id == run_id)
-              .order_by(policy_versions.c.version.desc()).limit(1).lateral("latest"))
-    row = conn.execute(select(runs.c.status, latest.c.version, latest.c.location)
-                       .select_from(runs.outerjoin(latest, true()))
-                       .where(runs.c.id == run_id)).one()
+    row = conn.execute(select(runs.c.status, policy_versions.c.version, policy_versions.c.location)
+                       .select_from(runs.outerjoin(policy_versions,
+                                                   policy_versions.c.run_id == runs.c.id))
+                       .where(runs.c.id == run_id)
+                       .order_by(policy_versions.c.version.desc().nulls_last()).limit(1)).one()
     return row.status, None if row.version is None else (row.version, row.location)
 
 
