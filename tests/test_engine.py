@@ -5,7 +5,7 @@ import pytest
 import torch
 from sqlalchemy import text
 
-from reservoir.explorer.engine import TransformersEngine
+from reservoir.explorer.engine import InverseCdfSampling, TransformersEngine
 from reservoir.explorer.rewards import REWARDS, exact_match, format_reward, score
 from reservoir.explorer.workflow import Task
 from tests.factories import rollouts
@@ -48,6 +48,32 @@ def test_sampling_is_seeded(engine):
     first = engine.sample(["hi"], 2, max_tokens=6, seed=5)
     again = engine.sample(["hi"], 2, max_tokens=6, seed=5)
     assert [s.response_ids.tolist() for s in first[0]] == [s.response_ids.tolist() for s in again[0]]
+
+
+def test_sampling_draws_each_token_at_its_probability(engine):
+    """4,000 one-token samples at temperature 0.7: each token's share is its probability under
+    softmax(logits / 0.7) within five standard errors."""
+    draws, temperature = 4000, 0.7
+    samples = engine.sample(["Reverse: abc"], draws, temperature=temperature, max_tokens=1,
+                            seed=3)[0]
+    prompt = torch.tensor(samples[0].prompt_ids, dtype=torch.long)[None]
+    with torch.no_grad():
+        logits = engine.model(prompt).logits[0, -1].float()
+    expected = torch.softmax(logits / temperature, dim=-1)
+    counts = torch.bincount(torch.tensor([int(s.response_ids[0]) for s in samples]),
+                            minlength=len(expected)).double()
+    share = counts / draws
+    bound = 5 * torch.sqrt(expected * (1 - expected) / draws) + 1e-3
+    assert ((share - expected).abs() <= bound).all()
+
+
+def test_sampling_never_draws_a_token_of_probability_zero():
+    logits = torch.randn(20_000, 50)
+    logits[:, ::2] = float("-inf")  # every even token impossible
+    logits[:, -1] = float("-inf")   # the last one too: the cumulative sum's end is flat
+    picks = InverseCdfSampling(1.0)(None, logits).argmax(dim=-1)
+    assert bool((picks % 2 == 1).all()) and bool((picks != 49).all())
+    assert len(picks.unique()) == 24  # every possible token drawn
 
 
 def test_new_weights_load_in_place(engine, tmp_path):

@@ -18,6 +18,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from reservoir.chat import prompt_ids
 from reservoir.errors import ReservoirError
@@ -161,9 +162,11 @@ class TransformersEngine(Sampling):
         attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts],
                                  device=self.device)
         greedy = temperature == 0  # then logprobs are those of the unscaled distribution
-        sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)
+        # generate's greedy step takes the one token a sampling processor leaves
+        sampling = {} if greedy else {"logits_processor": LogitsProcessorList(
+            [InverseCdfSampling(temperature)])}
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention, do_sample=not greedy, **sampling,
+            input_ids=input_ids, attention_mask=attention, do_sample=False, **sampling,
             max_new_tokens=max_tokens, return_dict_in_generate=True, output_logits=True,
             pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
             synced_gpus=False)  # alone, even where a sharded trainer's ranks are joined
@@ -186,6 +189,27 @@ class TransformersEngine(Sampling):
                        logprobs=logprobs[i, :len(response)].astype(np.float32),
                        text=texts[i], raw_text=raw_texts[i], finished=bool(finished[i]))
                 for i, response in enumerate(responses)]
+
+
+class InverseCdfSampling(LogitsProcessor):
+    """Each row's next token drawn from softmax(logits / temperature), the only one left
+    (every other logit -inf), so generate's greedy step takes it; `output_logits` keeps the
+    logits before this, which the engine's logprobs read. One uniform a row, placed in the
+    row's cumulative distribution: torch's CPU `multinomial` draws an exponential for every
+    entry of the vocabulary (0.7 ms a token for 128 rows of the tiny model's 262 on a 2-core
+    CPU, against 0.1 ms here). Seeded by torch's generator, as sampling was."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cdf = torch.softmax(scores.float() / self.temperature, dim=-1).cumsum(dim=-1)
+        total = cdf[:, -1:]
+        # below the total: the first entry past u then always has a probability above 0
+        u = torch.minimum(torch.rand_like(total) * total,
+                          torch.nextafter(total, torch.zeros_like(total)))
+        token = torch.searchsorted(cdf, u, right=True)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 
 def decode(tokenizer, rows, **options) -> list[str]:
