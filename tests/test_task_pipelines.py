@@ -169,7 +169,7 @@ def test_each_claim_order_reads_an_index_of_active_tasks(store):
 
     for order in (TaskOrder("least_explored"), TaskOrder("priority"),
                   TaskOrder("difficulty_band")):
-        sql = str(_picked(store.run_id("t"), 8, order).compile(
+        sql = str(_picked(order).params(of_run=store.run_id("t"), want=8).compile(
             dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
         with store.engine.begin() as conn:
             plan = "\n".join(row[0] for row in conn.execute(text("EXPLAIN " + sql)))

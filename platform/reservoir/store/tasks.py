@@ -10,13 +10,14 @@ explored first.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable
 
-from sqlalchemy import (Connection, func, insert, literal, literal_column, or_, select, union_all,
-                        update)
+from sqlalchemy import (BigInteger, Connection, Integer, Interval, bindparam, func, insert,
+                        literal, literal_column, or_, select, union_all, update)
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from reservoir.store.door import Door, reading, writing
@@ -63,25 +64,28 @@ class TaskOrder:
     band: tuple[float, float] = (0.1, 0.9)
 
 
-def _claimable(run_id: int, *where):
+def _claimable(*where):
+    """Select: the ids of the run :of_run's active train tasks no live claim holds."""
     free = or_(tasks.c.claim_token.is_(None), tasks.c.claimed_until < func.now())
-    return (select(tasks.c.id).where(tasks.c.run_id == run_id, tasks.c.split == "train",
+    return (select(tasks.c.id).where(tasks.c.run_id == bindparam("of_run", type_=BigInteger),
+                                     tasks.c.split == "train",
                                      tasks.c.status == literal_column("'active'"), free, *where))
 
 
-def _picked(run_id: int, want: int, order: TaskOrder):
-    """Select: the ids of up to `want` claimable tasks in the order, locked, skipping tasks
+def _picked(order: TaskOrder):
+    """Select: the ids of up to :want claimable tasks in the order, locked, skipping tasks
     another claim holds."""
     least = (tasks.c.times_explored, tasks.c.id)
+    want = bindparam("want", type_=Integer)
     if order.kind == "least_explored":
-        return _claimable(run_id).order_by(*least).limit(want).with_for_update(skip_locked=True)
+        return _claimable().order_by(*least).limit(want).with_for_update(skip_locked=True)
     if order.kind == "priority":
-        return (_claimable(run_id).order_by(tasks.c.priority.desc(), *least).limit(want)
+        return (_claimable().order_by(tasks.c.priority.desc(), *least).limit(want)
                 .with_for_update(skip_locked=True))
     low, high = 1 - order.band[1], 1 - order.band[0]  # a pass rate band as difficulties
-    parts = [_claimable(run_id, tasks.c.difficulty.between(low, high)),
-             _claimable(run_id, tasks.c.difficulty.is_(None)),
-             _claimable(run_id, or_(tasks.c.difficulty < low, tasks.c.difficulty > high))]
+    parts = [_claimable(tasks.c.difficulty.between(low, high)),
+             _claimable(tasks.c.difficulty.is_(None)),
+             _claimable(or_(tasks.c.difficulty < low, tasks.c.difficulty > high))]
     ranked = union_all(*(part.add_columns(literal(rank).label("part"), *least)
                          .order_by(*least).limit(want).subquery().select()
                          for rank, part in enumerate(parts))).subquery("ranked")
@@ -89,6 +93,18 @@ def _picked(run_id: int, want: int, order: TaskOrder):
                                           ranked.c.id).limit(want)
     return (select(tasks.c.id).where(tasks.c.id.in_(chosen))
             .with_for_update(skip_locked=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _claim_statement(order: TaskOrder):
+    """Statement: up to :want tasks of the run :of_run in `order` claimed for :token by
+    :worker for :claim_for; built once an order (an explorer claims every round)."""
+    picked = _picked(order).cte("picked")
+    return (update(tasks).where(tasks.c.id == picked.c.id)
+            .values(claim_token=bindparam("token", type_=tasks.c.claim_token.type),
+                    claimed_by=bindparam("worker", type_=tasks.c.claimed_by.type),
+                    claimed_until=func.now() + bindparam("claim_for", type_=Interval))
+            .returning(tasks.c.id, tasks.c.prompt, tasks.c.answer, tasks.c.payload))
 
 
 def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, worker: str,
@@ -100,12 +116,10 @@ def claim_tasks(conn: Connection, run_id: int, want: int, *, token: uuid.UUID, w
     """
     if want <= 0:
         return []
-    picked = _picked(run_id, want, order).cte("picked")
-    stmt = (update(tasks).where(tasks.c.id == picked.c.id)
-            .values(claim_token=token, claimed_by=worker,
-                    claimed_until=func.now() + timedelta(seconds=seconds))
-            .returning(tasks.c.id, tasks.c.prompt, tasks.c.answer, tasks.c.payload))
-    return sorted((tuple(row) for row in conn.execute(stmt)), key=lambda row: row[0])
+    rows = conn.execute(_claim_statement(order), {
+        "of_run": run_id, "want": want, "token": token, "worker": worker,
+        "claim_for": timedelta(seconds=seconds)})
+    return sorted((tuple(row) for row in rows), key=lambda row: row[0])
 
 
 def claim_within_pace(conn: Connection, run_id: int, pace: Pace, *, loaded: int | None,
