@@ -122,3 +122,15 @@ def test_an_explorer_reads_its_runs_status_and_latest_policy_in_one_statement(st
     store.runs.set_status(run_id, "running")
     assert store.runs.status_and_policy(run_id) == ("running", (1, None))
     assert store.runs.latest_policy(run_id) == (1, None)
+
+
+def test_a_new_version_is_published_with_one_notice_and_a_repeat_with_none(store):
+    from reservoir.store import POLICY_CHANNEL, Listener
+
+    run_id = store.create_run("notice", group_size=4)
+    with Listener(store.engine, POLICY_CHANNEL) as listener:
+        assert store.publish_version("notice", 0, location="/w/v0", train_step=0) is True
+        assert listener.wait(5.0) == [f"{run_id}:0"]
+        assert store.publish_version("notice", 0, location="/w/other", train_step=3) is False
+        assert listener.wait(0.5) == []
+    assert store.runs.latest_policy(run_id) == (0, "/w/v0")

@@ -184,17 +184,26 @@ def check_resumable(conn: Connection, name: str, steps: int) -> None:
 POLICY_CHANNEL = "reservoir_policy"  # NOTIFY payload: "<run id>:<version>"
 
 
+def _publishing():
+    """Statement: a policy version's row, and a notice to listeners if it is new (no row
+    when the version was already published); built once."""
+    added = (pg_insert(policy_versions)
+             .values(run_id=bindparam("of_run"), version=bindparam("new_version"),
+                     location=bindparam("at"), train_step=bindparam("after_step"))
+             .on_conflict_do_nothing(constraint="policy_versions_run_version")
+             .returning(policy_versions.c.id).cte("added"))
+    return select(added.c.id, func.pg_notify(POLICY_CHANNEL, bindparam("notice", type_=Text)))
+
+
+PUBLISHING = _publishing()
+
+
 def publish_version(conn: Connection, run_id: int, version: int, *, location: str | None,
                     train_step: int | None) -> bool:
     """Record a policy version and notify listeners; False if it was already published."""
-    stmt = (pg_insert(policy_versions)
-            .values(run_id=run_id, version=version, location=location, train_step=train_step)
-            .on_conflict_do_nothing(constraint="policy_versions_run_version")
-            .returning(policy_versions.c.id))
-    if conn.execute(stmt).first() is None:
-        return False
-    conn.execute(select(func.pg_notify(POLICY_CHANNEL, f"{run_id}:{version}")))
-    return True
+    return conn.execute(PUBLISHING, {
+        "of_run": run_id, "new_version": version, "at": location, "after_step": train_step,
+        "notice": f"{run_id}:{version}"}).first() is not None
 
 
 def version_by(conn: Connection, run_id: int, step: int | None = None) -> tuple[int, int] | None:
